@@ -1,0 +1,98 @@
+"""raycoll: the ``torch.distributed`` (c10d) collective API for Ray actors.
+
+Layers, top to bottom (data flows one way):
+
+- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.process_groups`,
+  driver-side :mod:`raycoll.launch`): resolve the group, validate, dispatch;
+- :class:`ProcessGroup` (:mod:`raycoll.group`): ranks, sequence numbers, issue order,
+  device -> backend dispatch;
+- backends (:mod:`raycoll.backends`): ``objstore`` for CPU arrays through the Ray object
+  store, others registered per device;
+- the coordinator actor (:mod:`raycoll.coordinator`): rendezvous, arrival matching,
+  fingerprints, failures — control only, plus small inline payloads.
+"""
+
+from raycoll.backends import Backend, BackendConfig, is_nccl_available
+from raycoll.collectives import (
+    P2POp,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_gather_single,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    irecv,
+    isend,
+    monitored_barrier,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+    scatter,
+    scatter_object_list,
+    send,
+)
+from raycoll.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CoordinatorDiedError,
+    DistTimeoutError,
+    GroupBrokenError,
+    GroupDestroyedError,
+    GroupError,
+    GroupNotFoundError,
+    PeerArgumentError,
+    RaycollError,
+    RankFailedError,
+    SpawnError,
+)
+from raycoll.group import GroupMember, ProcessGroup
+from raycoll.launch import create_group, destroy_group, group_status, spawn
+from raycoll.process_groups import (
+    destroy_process_group,
+    get_global_rank,
+    get_group,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    new_subgroups,
+)
+from raycoll.reduce_op import ReduceOp
+from raycoll.work import Future, Work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # groups
+    "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
+    "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
+    "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
+    # collectives
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    # types
+    "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
+    # driver side
+    "create_group", "destroy_group", "spawn", "group_status",
+    # errors
+    "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
+    "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
+    "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
+    "SpawnError",
+]

@@ -1,0 +1,526 @@
+"""The peers that ``raycoll-bench --vs`` compares raycoll against, run inside Ray actors.
+
+A *peer* runs the same collective, at the same size, with another library, so that the
+benchmark can print raycoll's time over the peer's time:
+
+- :class:`GlooPeer`: ``torch.distributed`` with the gloo backend, one rank per Ray actor,
+  rendezvous over a TCP store on a free port picked on rank 0's node.
+- :class:`RayCollectivePeer`: ``ray.util.collective`` with its ``"gloo"`` backend. In Ray 2.60
+  that backend is ``TorchGLOOGroup``, a thin wrapper around ``torch.distributed`` gloo (pygloo is
+  gone); it offers fewer operations, and its ``reducescatter`` is ``world_size`` all_reduces.
+- :func:`actor_round_trip_seconds` and :func:`plain_get_seconds`: the Ray floors a raycoll
+  collective is measured against (one actor-to-actor call; one ``ray.get`` of an array another
+  actor put, on another node where one exists).
+
+Sizes follow nccl-tests: for ``all_reduce``, ``broadcast``, ``reduce`` and ``send_recv``,
+``nbytes`` is each rank's buffer; for the gathering, scattering and all-to-all operations it is
+the large buffer (the gathered output, the reduce-scatter input, the all-to-all send buffer)
+and each rank's share is ``nbytes / world_size``. :func:`effective_nbytes` gives the size run
+after rounding down to whole elements (at least one element per rank).
+
+Timing: every rank runs ``warmup`` untimed iterations, one barrier of the peer library, then
+``iters`` back-to-back iterations, each timed alone with ``time.perf_counter`` around the
+blocking call and nothing else in between. :meth:`Peer.run` returns, for each iteration, the
+maximum over ranks. Torch is imported only inside the actors and the functions that need it.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+__all__ = [
+    "OPS",
+    "NotSupportedByPeer",
+    "Peer",
+    "GlooPeer",
+    "RayCollectivePeer",
+    "canonical_op",
+    "effective_nbytes",
+    "actor_round_trip_seconds",
+    "plain_get_seconds",
+]
+
+OPS: Tuple[str, ...] = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "barrier", "send_recv",
+)  # fmt: skip
+_ALIASES: Dict[str, str] = {
+    "allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+    "alltoall": "all_to_all", "sendrecv": "send_recv", "send/recv": "send_recv",
+}  # fmt: skip
+# Operations whose ``nbytes`` is the large buffer, cut in ``world_size`` equal chunks.
+_CHUNKED: FrozenSet[str] = frozenset(OPS) - {
+    "all_reduce", "broadcast", "reduce", "barrier", "send_recv",
+}  # fmt: skip
+_DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+class NotSupportedByPeer(Exception):
+    """The peer library cannot run this operation (or dtype); the benchmark prints no ratio."""
+
+    def __init__(self, peer: str, op: str, reason: str) -> None:
+        self.peer = peer
+        self.op = op
+        self.reason = reason
+        super().__init__(f"peer {peer!r} does not support {op!r}: {reason}")
+
+    def __reduce__(self) -> Tuple[Any, Tuple[str, str, str]]:  # crosses Ray task boundaries
+        return (type(self), (self.peer, self.op, self.reason))
+
+
+# How gloo refuses what it cannot run (the refusal is local, so every rank raises it).
+_REFUSALS = ("does not support", "not supported", "Invalid scalar type", "Cannot use")
+
+
+def canonical_op(op: str) -> str:
+    """Return the name in :data:`OPS` for ``op`` (ray.util.collective spellings accepted)."""
+    name = _ALIASES.get(op.lower(), op.lower())
+    if name not in OPS:
+        raise ValueError(f"op: expected one of {', '.join(OPS)}; got {op!r}")
+    return name
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype == "bfloat16":
+        return 2
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError as exc:
+        raise ValueError(f"dtype: expected a dtype name like 'float32'; got {dtype!r}") from exc
+
+
+def _count(op: str, nbytes: int, dtype: str, world_size: int) -> int:
+    """Elements per buffer (non-chunked ops) or per rank's chunk (chunked ops), at least 1."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes: expected a size >= 0; got {nbytes}")
+    elements = nbytes // _itemsize(dtype)
+    if op in _CHUNKED:
+        elements //= world_size
+    return max(1, elements)
+
+
+def effective_nbytes(op: str, nbytes: int, dtype: str, world_size: int) -> int:
+    """The ``nbytes`` actually run for a requested size, in nccl-tests terms (0 for barrier)."""
+    op = canonical_op(op)
+    if op == "barrier":
+        return 0
+    chunks = world_size if op in _CHUNKED else 1
+    return _count(op, nbytes, dtype, world_size) * chunks * _itemsize(dtype)
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype: expected a torch dtype name like 'float32'; got {dtype!r}")
+    return value
+
+
+def _gloo_step(op: str, count: int, dtype: str, rank: int, world: int) -> Callable[[], Any]:
+    """Build one iteration of ``op`` with torch.distributed on the default (gloo) group."""
+    import torch
+    import torch.distributed as dist
+
+    dt = _torch_dtype(dtype)
+
+    def buf(n: int = count) -> Any:
+        return torch.zeros(n, dtype=dt)
+
+    def chunks() -> List[Any]:
+        return [buf() for _ in range(world)]
+
+    # torch >= 2.13 names the flat-tensor variants *_single and deprecates the old names.
+    gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    x, big = buf(), buf(count * world)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, src=0)
+    if op == "reduce":
+        return lambda: dist.reduce(x, dst=0)
+    if op == "all_gather":
+        out = chunks()
+        return lambda: dist.all_gather(out, x)
+    if op == "all_gather_into_tensor":
+        return lambda: gather_flat(big, x)
+    if op == "reduce_scatter":  # gloo has list reduce_scatter since torch 2.x; 2.13 runs it
+        ins = chunks()
+        return lambda: dist.reduce_scatter(x, ins)
+    if op == "reduce_scatter_tensor":
+        return lambda: rs_flat(x, big)
+    if op == "all_to_all":
+        ins, outs = chunks(), chunks()
+        return lambda: dist.all_to_all(outs, ins)
+    if op == "all_to_all_single":
+        out_big = buf(count * world)
+        return lambda: dist.all_to_all_single(out_big, big)
+    if op == "gather":
+        gathered = chunks() if rank == 0 else None
+        return lambda: dist.gather(x, gathered, dst=0)
+    if op == "scatter":
+        pieces = chunks() if rank == 0 else None
+        return lambda: dist.scatter(x, pieces, src=0)
+    if op == "barrier":
+        return lambda: dist.barrier()
+    recv = buf()  # send_recv: nccl-tests ring, send to rank+1 while receiving from rank-1
+
+    def send_recv() -> None:
+        for work in (dist.isend(x, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)):
+            if work is not None:  # None only for ranks outside the group
+                work.wait()
+
+    return send_recv
+
+
+def _ray_collective_step(
+    op: str, count: int, dtype: str, rank: int, world: int, group: str
+) -> Callable[[], Any]:
+    """Build one iteration of ``op`` with ray.util.collective on ``group``."""
+    import torch
+    import ray.util.collective as col
+
+    dt = _torch_dtype(dtype)
+
+    def chunks() -> List[Any]:
+        return [torch.zeros(count, dtype=dt) for _ in range(world)]
+
+    x = torch.zeros(count, dtype=dt)
+    if op == "all_reduce":
+        return lambda: col.allreduce(x, group)
+    if op == "broadcast":
+        return lambda: col.broadcast(x, 0, group)
+    if op == "reduce":
+        return lambda: col.reduce(x, 0, group)
+    if op == "all_gather":
+        out = chunks()
+        return lambda: col.allgather(out, x, group)
+    if op == "reduce_scatter":
+        ins = chunks()
+        return lambda: col.reducescatter(x, ins, group)
+    if op == "barrier":
+        return lambda: col.barrier(group)
+    recv = torch.zeros(count, dtype=dt)  # send_recv: blocking calls only, so alternate by parity
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def send_recv() -> None:
+        if rank % 2 == 0:
+            col.send(x, nxt, group)
+            col.recv(recv, prv, group)
+        else:
+            col.recv(recv, prv, group)
+            col.send(x, nxt, group)
+
+    return send_recv
+
+
+class _RankActor:
+    """One rank of a peer group; ``kind`` is the peer's name, ``"gloo"`` or ``"ray-collective"``."""
+
+    def __init__(self, kind: str, rank: int, world_size: int) -> None:
+        self.kind, self.rank, self.world_size = kind, rank, world_size
+        self.group = ""
+
+    def placement(self) -> Tuple[str, str]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+    def free_port(self, host: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return int(sock.getsockname()[1])
+
+    def init(self, rendezvous: Dict[str, Any]) -> None:
+        if rendezvous.get("ifname"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous["ifname"])
+        timeout = timedelta(seconds=rendezvous["timeout_s"])
+        if self.kind == "gloo":
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{rendezvous['host']}:{rendezvous['port']}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        else:
+            import ray.util.collective as col
+
+            self.group = rendezvous["group"]
+            col.init_collective_group(
+                self.world_size, self.rank, backend="gloo",  # type: ignore[arg-type]
+                group_name=self.group,
+                gloo_timeout=int(timeout.total_seconds() * 1000),
+            )  # fmt: skip
+
+    def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int) -> List[float]:
+        if self.kind == "gloo":
+            import torch.distributed as dist
+
+            step = _gloo_step(op, count, dtype, self.rank, self.world_size)
+            sync: Callable[[], Any] = dist.barrier
+        else:
+            import ray.util.collective as col
+
+            step = _ray_collective_step(op, count, dtype, self.rank, self.world_size, self.group)
+            sync = lambda: col.barrier(self.group)  # noqa: E731
+        try:
+            step()  # one untimed call up front, so that a refusal surfaces as NotSupportedByPeer
+        except RuntimeError as exc:
+            if any(text in str(exc) for text in _REFUSALS):
+                raise NotSupportedByPeer(self.kind, op, f"{dtype}: {exc}") from exc
+            raise
+        for _ in range(warmup):
+            step()
+        sync()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return times
+
+
+_RankRemote: Any = ray.remote(num_cpus=0)(_RankActor)
+
+
+def _loopback_ifname() -> Optional[str]:
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return names[0] if names else None
+
+
+class Peer(abc.ABC):
+    """A library that runs collectives across ``world_size`` Ray actors, for comparison."""
+
+    name: str = "peer"
+    supported_ops: FrozenSet[str] = frozenset()
+
+    @abc.abstractmethod
+    def setup(self, world_size: int, actor_options: Optional[Dict[str, Any]] = None) -> None:
+        """Start ``world_size`` rank actors (``num_cpus=0`` unless overridden), form the group."""
+
+    @abc.abstractmethod
+    def run(self, op: str, nbytes: int, dtype: str, iters: int, warmup: int) -> List[float]:
+        """Seconds per timed iteration of ``op`` (max over ranks); raises NotSupportedByPeer."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Kill the rank actors; safe to call twice."""
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _ActorPeer(Peer):
+    """Shared driver side of the peers: one ``_RankActor`` per rank, timed by ``bench``."""
+
+    def __init__(self, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+        self.timeout = timeout
+        self.world_size = 0
+        self._actors: List[Any] = []
+
+    def setup(self, world_size: int, actor_options: Optional[Dict[str, Any]] = None) -> None:
+        if self._actors:
+            raise RuntimeError(f"{self.name}: setup() called twice; call close() first")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size: expected an int >= 1; got {world_size!r}")
+        options = {"num_cpus": 0, **(actor_options or {})}
+        self.world_size = world_size
+        self._actors = [
+            _RankRemote.options(**options).remote(self.name, rank, world_size)
+            for rank in range(world_size)
+        ]
+        try:
+            places = self._get([a.placement.remote() for a in self._actors])
+            one_node = len({node for node, _ in places}) == 1
+            rendezvous: Dict[str, Any] = {
+                "timeout_s": self.timeout.total_seconds(),
+                "ifname": _loopback_ifname() if one_node else None,
+            }
+            rendezvous.update(self._rendezvous(places[0][1] if not one_node else "127.0.0.1"))
+            self._get([a.init.remote(rendezvous) for a in self._actors])
+        except BaseException:
+            self.close()
+            raise
+
+    def _rendezvous(self, host: str) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def run(self, op: str, nbytes: int, dtype: str = "float32", iters: int = 20,
+            warmup: int = 5) -> List[float]:  # fmt: skip
+        op = canonical_op(op)
+        if op not in self.supported_ops:
+            supported = ", ".join(sorted(self.supported_ops))
+            raise NotSupportedByPeer(self.name, op, f"it offers only {supported}")
+        if not self._actors:
+            raise RuntimeError(f"{self.name}: run() before setup()")
+        if op == "send_recv" and self.world_size < 2:
+            raise ValueError(f"world_size: send_recv needs >= 2 ranks; got {self.world_size}")
+        if iters < 1 or warmup < 0:
+            raise ValueError(f"iters/warmup: expected >= 1 / >= 0; got {iters} / {warmup}")
+        count = _count(op, nbytes, dtype, self.world_size)
+        try:
+            per_rank = self._get(
+                [a.bench.remote(op, count, dtype, iters, warmup) for a in self._actors]
+            )
+        except RayTaskError as exc:
+            if isinstance(exc.cause, NotSupportedByPeer):
+                raise exc.cause from None
+            raise
+        except GetTimeoutError as exc:
+            self.close()  # the ranks are stuck inside the peer library: the group is gone
+            raise TimeoutError(
+                f"{self.name}: {op} of {nbytes} B {dtype} x {warmup + iters + 1} iterations on "
+                f"{self.world_size} ranks did not finish within {self.timeout}; peer closed"
+            ) from exc
+        return [max(times) for times in zip(*per_rank)]
+
+    def close(self) -> None:
+        actors, self._actors = self._actors, []
+        if not ray.is_initialized():  # Ray already shut down: the actors went with it
+            return
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+    def _get(self, refs: List[Any]) -> List[Any]:
+        return list(ray.get(refs, timeout=self.timeout.total_seconds()))
+
+
+class GlooPeer(_ActorPeer):
+    """``torch.distributed`` gloo (CPU), one process group per peer, every op of :data:`OPS`."""
+
+    name = "gloo"
+    supported_ops = frozenset(OPS)
+
+    def _rendezvous(self, host: str) -> Dict[str, Any]:
+        port = self._get([self._actors[0].free_port.remote(host)])[0]
+        return {"host": host, "port": port}
+
+
+class RayCollectivePeer(_ActorPeer):
+    """``ray.util.collective`` with backend ``"gloo"`` (Ray 2.60: torch.distributed gloo inside).
+
+    Offers all_reduce, broadcast, reduce, all_gather, reduce_scatter (``world_size``
+    all_reduces), barrier and send/recv; the rest raise :class:`NotSupportedByPeer`.
+    """
+
+    name = "ray-collective"
+    supported_ops = frozenset(
+        {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier",
+         "send_recv"}
+    )  # fmt: skip
+
+    def _rendezvous(self, host: str) -> Dict[str, Any]:
+        # A fresh name: the group's internal_kv rendezvous key is not namespaced per job.
+        return {"group": f"raycoll-peer-{uuid.uuid4().hex[:12]}"}
+
+
+class _ProbeActor:
+    """Measures the Ray floors: actor call round trips, and plain puts and gets."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros(0, dtype=np.uint8)
+
+    def ping(self) -> None:
+        return None
+
+    def call_ping(self, other: Any, iters: int, warmup: int, timeout_s: float) -> List[float]:
+        times = []
+        for i in range(warmup + iters):
+            start = time.perf_counter()
+            ray.get(other.ping.remote(), timeout=timeout_s)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return times
+
+    def put(self, nbytes: int) -> List[Any]:
+        if self.array.nbytes != nbytes:
+            self.array = np.ones(nbytes, dtype=np.uint8)
+        return [ray.put(self.array)]  # in a list, so that the caller gets the reference
+
+    def timed_get(self, refs: List[Any], timeout_s: float) -> float:
+        start = time.perf_counter()
+        value = ray.get(refs[0], timeout=timeout_s)
+        elapsed = time.perf_counter() - start
+        del value
+        return elapsed
+
+
+_ProbeRemote: Any = ray.remote(num_cpus=0)(_ProbeActor)
+
+
+def _here() -> Dict[str, Any]:
+    """Actor options that pin an actor to the driver's node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
+def actor_round_trip_seconds(
+    iters: int, warmup: int = 10, timeout: timedelta = _DEFAULT_TIMEOUT
+) -> List[float]:
+    """Seconds per ``ray.get(b.ping.remote())`` made by actor ``a``, both on the driver's node."""
+    timeout_s = timeout.total_seconds()
+    caller, callee = (_ProbeRemote.options(**_here()).remote() for _ in range(2))
+    try:
+        ref = caller.call_ping.remote(callee, iters, warmup, timeout_s)
+        return list(ray.get(ref, timeout=timeout_s))
+    finally:
+        ray.kill(caller, no_restart=True)
+        ray.kill(callee, no_restart=True)
+
+
+def plain_get_seconds(
+    nbytes: int,
+    iters: int,
+    node_resource: Optional[str] = None,
+    warmup: int = 2,
+    timeout: timedelta = _DEFAULT_TIMEOUT,
+) -> List[float]:
+    """Seconds per ``ray.get`` of a fresh ``nbytes`` uint8 array, in an actor on the driver's node.
+
+    The array is put by a second actor: on the node holding the custom resource
+    ``node_resource`` when given (with ``ray.cluster_utils.Cluster``:
+    ``cluster.add_node(resources={"peer_node": 1})``, then ``node_resource="peer_node"``),
+    else on the driver's node, where the get is a zero-copy map of shared memory.
+    """
+    timeout_s = timeout.total_seconds()
+    resources: Dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    if node_resource is None:
+        putter_options = _here()
+    elif resources.get(node_resource, 0) <= 0:
+        known = sorted(resources)
+        raise ValueError(f"node_resource: expected one of {known}; got {node_resource!r}")
+    else:
+        putter_options = {"resources": {node_resource: 0.001}}
+    putter = _ProbeRemote.options(**putter_options).remote()
+    getter = _ProbeRemote.options(**_here()).remote()
+    try:
+        times = []
+        for i in range(warmup + iters):
+            refs = ray.get(putter.put.remote(nbytes), timeout=timeout_s)
+            elapsed = ray.get(getter.timed_get.remote(refs, timeout_s), timeout=timeout_s)
+            del refs  # frees the object before the next put
+            if i >= warmup:
+                times.append(float(elapsed))
+        return times
+    finally:
+        ray.kill(putter, no_restart=True)
+        ray.kill(getter, no_restart=True)

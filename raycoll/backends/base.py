@@ -1,0 +1,181 @@
+"""The backend boundary: what a backend implements, and the group context it is given.
+
+A backend moves the data of one device kind ("cpu", "cuda") for one process group. It gets a
+:class:`GroupContext` (its rank, the group's ranks and nodes, and the control-plane calls to
+the coordinator) and implements one method per collective on tensors of its device. The
+public layer has already validated arguments and computed the collective's fingerprint
+(carried in :class:`Call`); a backend only moves and reduces data. Every blocking wait takes
+the call's timeout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from raycoll.coordinator import CoordinatorClient
+from raycoll.reduce_op import ReduceOp, reduce_arrays
+
+__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion"]
+
+#: A posted point-to-point operation: call it to wait for completion (returns the source rank
+#: for receives, ``None`` for sends).
+Completion = Callable[[], Optional[int]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as issued: its name, sequence number, fingerprint and timeout."""
+
+    op: str
+    seq: int
+    timeout_s: float
+    fp: Dict[str, Any] = field(default_factory=dict)
+
+
+def chunk_bounds(n: int, parts: int) -> List[int]:
+    """``parts + 1`` offsets splitting ``n`` elements into near-equal contiguous chunks.
+
+    The first ``n % parts`` chunks get one element more, so sizes differ by at most one.
+    """
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+class GroupContext:
+    """A backend's view of its process group, and its line to the coordinator."""
+
+    def __init__(
+        self,
+        *,
+        group_name: str,
+        rank: int,
+        global_ranks: Sequence[int],
+        node_ids: Sequence[str],
+        client: CoordinatorClient,
+        timeout_s: float,
+        on_failure: Callable[[BaseException], None],
+        options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.group_name = group_name
+        self.rank = rank
+        self.global_ranks = tuple(global_ranks)
+        self.size = len(self.global_ranks)
+        self.node_ids = tuple(node_ids)
+        self.client = client
+        self.timeout_s = timeout_s
+        self.options = dict(options or {})
+        self._on_failure = on_failure
+
+    @property
+    def single_node(self) -> bool:
+        return len(set(self.node_ids)) <= 1
+
+    def ctx(self, call: Call) -> Dict[str, Any]:
+        """Error context for a call on this rank."""
+        return {"op": call.op, "seq": call.seq, "group": self.group_name,
+                "rank": self.global_ranks[self.rank]}
+
+    def exchange(
+        self,
+        call: Call,
+        step: int,
+        payload: Any,
+        *,
+        mode: str = "route",
+        send_meta: Optional[List[Any]] = None,
+        recv_meta: Optional[List[Any]] = None,
+        root: Optional[int] = None,
+    ) -> Any:
+        """One step of a collective through the coordinator (see ``Coordinator.exchange``).
+
+        ``mode="route"``: ``payload`` is a per-destination list (group ranks); returns the
+        per-source list of what this rank was sent. ``mode="reduce"``: returns the reduced
+        array (``None`` on ranks other than ``root`` when a root is given).
+        """
+        if self.size == 1:
+            if mode == "reduce":
+                return reduce_arrays(ReduceOp(*call.fp["reduce_op"]), [payload])
+            return [payload[0] if payload is not None else None]
+        fp = call.fp if step == 0 else {"op": call.op}
+        ref = self.client.submit(
+            "exchange", self.group_name, self.global_ranks, call.seq, step, self.rank, fp,
+            send_meta, recv_meta, payload, mode, root, call.timeout_s,
+        )
+        return self.client.wait(ref, call.timeout_s, **self.ctx(call))
+
+    def fail(self, exc: BaseException) -> None:
+        """Report a failure that breaks the group (e.g. a peer's object was lost)."""
+        self._on_failure(exc)
+
+    def p2p_send(self, dst: int, tag: int, meta: Any, payload: Any, timeout_s: float) -> Any:
+        """Post a message to group rank ``dst``; returns a ref that resolves once it matched."""
+        return self.client.submit("p2p_send", self.group_name, self.rank, dst, tag, meta,
+                                  payload, timeout_s)
+
+    def p2p_recv(self, src: Optional[int], tag: int, meta: Any, timeout_s: float) -> Any:
+        """Post a receive from group rank ``src`` (``None``: any); a ref to ``(src, payload)``."""
+        return self.client.submit("p2p_recv", self.group_name, src, self.rank, tag, meta,
+                                  timeout_s)
+
+
+class CollectiveBackend(ABC):
+    """One backend instance serves one device kind of one process group."""
+
+    #: Device kinds this backend can serve ("cpu", "cuda").
+    devices: Tuple[str, ...] = ()
+
+    def __init__(self, ctx: GroupContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> None: ...
+
+    @abstractmethod
+    def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None: ...
+
+    @abstractmethod
+    def broadcast(self, tensor: Any, src: int, call: Call) -> None: ...
+
+    @abstractmethod
+    def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> None: ...
+
+    @abstractmethod
+    def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> None: ...
+
+    @abstractmethod
+    def gather(self, tensor: Any, outputs: Optional[List[Any]], dst: int, call: Call) -> None: ...
+
+    @abstractmethod
+    def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None: ...
+
+    @abstractmethod
+    def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None: ...
+
+    @abstractmethod
+    def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None: ...
+
+    @abstractmethod
+    def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> None: ...
+
+    @abstractmethod
+    def all_to_all_single(self, output: Any, tensor: Any, output_splits: List[int],
+                          input_splits: List[int], call: Call) -> None: ...
+
+    @abstractmethod
+    def barrier(self, call: Call) -> None: ...
+
+    @abstractmethod
+    def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion: ...
+
+    @abstractmethod
+    def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion: ...
+
+    def close(self) -> None:
+        """Release what the backend holds (communicators, streams). Idempotent."""

@@ -1,0 +1,564 @@
+"""The public collective functions, with ``torch.distributed``'s names and signatures.
+
+Every collective has the same shape: resolve the group (``None`` -> default group, a name,
+or a ``ProcessGroup``; a non-member gets torch's non-member behaviour), take the next sequence
+number, validate the arguments (errors name the parameter, what was expected and what came;
+a rank that rejects its arguments tells its peers, which raise ``PeerArgumentError`` instead
+of waiting), pick the backend for the tensors' device, and run, waiting unless ``async_op``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycoll import errors, objects
+from raycoll.backends.base import Call, CollectiveBackend
+from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
+from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
+from raycoll.tensors import TensorInfo, describe, is_tensor
+from raycoll.work import Work
+
+logger = logging.getLogger("raycoll")
+
+Tensor = Any
+Prepared = Tuple[Dict[str, Any], Callable[[Call], None]]
+
+__all__ = [
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
+    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "all_gather_single", "reduce_scatter_single", "barrier", "monitored_barrier", "send", "recv",
+    "isend", "irecv", "P2POp", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list",
+]
+
+_REJECTED = (ValueError, TypeError, errors.BackendUnavailableError)
+
+
+# ---------------------------------------------------------------------- helpers
+def _resolve(group: GroupLike, op: str) -> Optional[ProcessGroup]:
+    pg = world().resolve(group)
+    if isinstance(pg, _NonMember):
+        warnings.warn(f"Running {op} on a rank which does not belong to the given group.",
+                      stacklevel=3)
+        return None
+    return pg
+
+
+def _run(op: str, group: GroupLike, async_op: bool, prepare: Callable[[ProcessGroup], Prepared],
+         outputs: Optional[List[Any]] = None) -> Optional[Work]:
+    pg = _resolve(group, op)
+    if pg is None:
+        return None
+    call = pg.new_call(op)
+    try:
+        fp, fn = prepare(pg)
+    except _REJECTED as exc:
+        pg.reject(call, exc)
+        raise
+    call = pg.with_fingerprint(call, **fp)
+    return pg.run(call, lambda: fn(call), async_op, outputs)
+
+
+def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
+    info = describe(value, name)
+    if writable and not info.writable:
+        raise ValueError(
+            f"{name} is read-only (arrays returned by ray.get are read-only views of the object "
+            f"store); pass a writable array, e.g. {name}.copy()"
+        )
+    return info
+
+
+def _tensor_list(values: Any, name: str, size: int, *, writable: bool = False,
+                 like: Optional[TensorInfo] = None) -> List[TensorInfo]:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(values).__name__}")
+    if len(values) != size:
+        raise ValueError(f"{name} must have one tensor per rank: expected {size}, got {len(values)}")
+    infos = [_tensor(v, f"{name}[{i}]", writable=writable) for i, v in enumerate(values)]
+    if like is not None:
+        for i, info in enumerate(infos):
+            _same(info, like, f"{name}[{i}]")
+    return infos
+
+
+def _same(info: TensorInfo, like: TensorInfo, name: str, *, shape: bool = True) -> None:
+    if info.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {info.dtype}, expected {like.dtype}")
+    if info.device != like.device:
+        raise ValueError(f"{name} is on {info.device}, expected {like.device}")
+    if shape and info.numel != like.numel:
+        raise ValueError(f"{name} has shape {info.shape}, expected {like.numel} elements "
+                         f"(shape {like.shape})")
+
+
+def _np_dtype(info: TensorInfo) -> Optional[np.dtype]:
+    try:
+        return np.dtype(info.dtype)
+    except TypeError:
+        return None  # e.g. bfloat16: checked by the backend that can hold it
+
+
+def _reduce_op(op: Any, info: TensorInfo) -> ReduceOp:
+    rop = as_reduce_op(op)
+    dtype = _np_dtype(info)
+    if dtype is not None:
+        check_op_dtype(rop, dtype)
+    return rop
+
+
+def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int], name: str,
+          group_name: str, *, required: bool = True) -> Optional[int]:
+    """A group rank from a global rank (``src``/``dst``) or a group rank (``group_src``...)."""
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"pass either {name} or {group_name}, not both "
+                         f"(got {name}={global_rank}, {group_name}={group_rank})")
+    if group_rank is not None:
+        if not isinstance(group_rank, (int, np.integer)) or isinstance(group_rank, bool):
+            raise TypeError(f"{group_name} must be an int, got {group_rank!r}")
+        if not 0 <= group_rank < pg.size():
+            raise ValueError(f"{group_name}={group_rank} is out of range for group "
+                             f"{pg.name!r} of size {pg.size()}")
+        return int(group_rank)
+    if global_rank is None:
+        if required:
+            raise ValueError(f"{name} (a global rank) or {group_name} (a group rank) is required")
+        return None
+    if not isinstance(global_rank, (int, np.integer)) or isinstance(global_rank, bool):
+        raise TypeError(f"{name} must be an int, got {global_rank!r}")
+    if int(global_rank) not in pg.global_ranks:
+        raise ValueError(f"{name}={global_rank} is not a rank of group {pg.name!r} "
+                         f"(its global ranks: {list(pg.global_ranks)})")
+    return pg.global_ranks.index(int(global_rank))
+
+
+def _backend(pg: ProcessGroup, info: TensorInfo) -> CollectiveBackend:
+    return pg.backend(info.device)
+
+
+# ---------------------------------------------------------------------- reductions
+def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None,
+               async_op: bool = False) -> Optional[Work]:
+    """Reduce ``tensor`` across all ranks, in place; every rank gets the result."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        info = _tensor(tensor, "tensor", writable=True)
+        rop = _reduce_op(op, info)
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "reduce_op": rop.key, "device": info.device}
+        return fp, lambda call: backend.all_reduce(tensor, rop, call)
+
+    return _run("all_reduce", group, async_op, prepare, [tensor])
+
+
+def reduce(tensor: Tensor, dst: Optional[int] = None, op: Any = ReduceOp.SUM,
+           group: GroupLike = None, async_op: bool = False,
+           group_dst: Optional[int] = None) -> Optional[Work]:
+    """Reduce ``tensor`` across all ranks into ``dst``'s tensor (in place on ``dst``)."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        info = _tensor(tensor, "tensor", writable=True)
+        root = _peer(pg, dst, group_dst, "dst", "group_dst")
+        rop = _reduce_op(op, info)
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "reduce_op": rop.key, "root": root,
+              "device": info.device}
+        return fp, lambda call: backend.reduce(tensor, root, rop, call)
+
+    return _run("reduce", group, async_op, prepare, [tensor])
+
+
+def reduce_scatter(output: Tensor, input_list: List[Tensor], op: Any = ReduceOp.SUM,
+                   group: GroupLike = None, async_op: bool = False) -> Optional[Work]:
+    """Reduce ``input_list[i]`` over ranks into rank i's ``output``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        info = _tensor(output, "output", writable=True)
+        _tensor_list(input_list, "input_list", pg.size(), like=info)
+        rop = _reduce_op(op, info)
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "reduce_op": rop.key, "device": info.device}
+        return fp, lambda call: backend.reduce_scatter(output, list(input_list), rop, call)
+
+    return _run("reduce_scatter", group, async_op, prepare, [output])
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,
+                          group: GroupLike = None, async_op: bool = False) -> Optional[Work]:
+    """Reduce ``input`` (world_size chunks) over ranks; rank i's ``output`` gets chunk i."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        out = _tensor(output, "output", writable=True)
+        inp = _tensor(input, "input")
+        _same(inp, out, "input", shape=False)
+        if inp.numel != out.numel * pg.size():
+            raise ValueError(f"input must have world_size * output.numel() = {pg.size()} * "
+                             f"{out.numel} elements, got {inp.numel} (shape {inp.shape})")
+        rop = _reduce_op(op, out)
+        backend = _backend(pg, out)
+        fp = {"dtype": out.dtype, "numel": out.numel, "reduce_op": rop.key, "device": out.device}
+        return fp, lambda call: backend.reduce_scatter_tensor(output, input, rop, call)
+
+    return _run("reduce_scatter_tensor", group, async_op, prepare, [output])
+
+
+# ---------------------------------------------------------------------- data movement
+def broadcast(tensor: Tensor, src: Optional[int] = None, group: GroupLike = None,
+              async_op: bool = False, group_src: Optional[int] = None) -> Optional[Work]:
+    """Copy ``src``'s tensor into every rank's tensor."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, src, group_src, "src", "group_src")
+        info = _tensor(tensor, "tensor", writable=pg.rank() != root)
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "root": root, "device": info.device}
+        return fp, lambda call: backend.broadcast(tensor, root, call)
+
+    return _run("broadcast", group, async_op, prepare, [tensor])
+
+
+def all_gather(tensor_list: List[Tensor], tensor: Tensor, group: GroupLike = None,
+               async_op: bool = False) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        info = _tensor(tensor, "tensor")
+        _tensor_list(tensor_list, "tensor_list", pg.size(), writable=True, like=info)
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "device": info.device}
+        return fp, lambda call: backend.all_gather(list(tensor_list), tensor, call)
+
+    return _run("all_gather", group, async_op, prepare, list(tensor_list)
+                if isinstance(tensor_list, (list, tuple)) else None)
+
+
+def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: GroupLike = None,
+                           async_op: bool = False) -> Optional[Work]:
+    """Gather every rank's ``input_tensor`` into one ``output_tensor`` (rank order)."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        out = _tensor(output_tensor, "output_tensor", writable=True)
+        inp = _tensor(input_tensor, "input_tensor")
+        _same(out, inp, "output_tensor", shape=False)
+        if out.numel != inp.numel * pg.size():
+            raise ValueError(
+                f"output_tensor must have world_size * input_tensor.numel() = {pg.size()} * "
+                f"{inp.numel} elements, got {out.numel} (shape {out.shape})")
+        backend = _backend(pg, inp)
+        fp = {"dtype": inp.dtype, "numel": inp.numel, "device": inp.device}
+        return fp, lambda call: backend.all_gather_into_tensor(output_tensor, input_tensor, call)
+
+    return _run("all_gather_into_tensor", group, async_op, prepare, [output_tensor])
+
+
+def gather(tensor: Tensor, gather_list: Optional[List[Tensor]] = None, dst: Optional[int] = None,
+           group: GroupLike = None, async_op: bool = False,
+           group_dst: Optional[int] = None) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``gather_list`` on ``dst``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, 0 if dst is None and group_dst is None else dst, group_dst, "dst",
+                     "group_dst")
+        info = _tensor(tensor, "tensor")
+        if pg.rank() == root:
+            if gather_list is None:
+                raise ValueError("gather_list is required on the destination rank")
+            _tensor_list(gather_list, "gather_list", pg.size(), writable=True, like=info)
+        elif gather_list:
+            raise ValueError("gather_list must not be given on a non-destination rank")
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "root": root, "device": info.device}
+        outs = list(gather_list) if pg.rank() == root and gather_list is not None else None
+        return fp, lambda call: backend.gather(tensor, outs, root, call)
+
+    return _run("gather", group, async_op, prepare, list(gather_list or []))
+
+
+def scatter(tensor: Tensor, scatter_list: Optional[List[Tensor]] = None, src: Optional[int] = None,
+            group: GroupLike = None, async_op: bool = False,
+            group_src: Optional[int] = None) -> Optional[Work]:
+    """Send ``scatter_list[i]`` from ``src`` into rank i's ``tensor``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, 0 if src is None and group_src is None else src, group_src, "src",
+                     "group_src")
+        info = _tensor(tensor, "tensor", writable=True)
+        if pg.rank() == root:
+            if scatter_list is None:
+                raise ValueError("scatter_list is required on the source rank")
+            _tensor_list(scatter_list, "scatter_list", pg.size(), like=info)
+        elif scatter_list:
+            raise ValueError("scatter_list must not be given on a non-source rank")
+        backend = _backend(pg, info)
+        fp = {"dtype": info.dtype, "shape": info.shape, "root": root, "device": info.device}
+        ins = list(scatter_list) if pg.rank() == root and scatter_list is not None else None
+        return fp, lambda call: backend.scatter(tensor, ins, root, call)
+
+    return _run("scatter", group, async_op, prepare, [tensor])
+
+
+def all_to_all(output_tensor_list: List[Tensor], input_tensor_list: List[Tensor],
+               group: GroupLike = None, async_op: bool = False) -> Optional[Work]:
+    """Send ``input_tensor_list[j]`` to rank j; receive rank i's into ``output_tensor_list[i]``.
+
+    Sizes may differ per peer; every pair's sizes are checked across ranks.
+    """
+    def prepare(pg: ProcessGroup) -> Prepared:
+        outs = _tensor_list(output_tensor_list, "output_tensor_list", pg.size(), writable=True)
+        ins = _tensor_list(input_tensor_list, "input_tensor_list", pg.size())
+        for i, info in enumerate(ins + outs):
+            _same(info, outs[0], "input_tensor_list" if i < len(ins) else "output_tensor_list",
+                  shape=False)
+        me = pg.rank()
+        if ins[me].numel != outs[me].numel:
+            raise ValueError(
+                f"input_tensor_list[{me}] (what this rank sends itself) has {ins[me].numel} "
+                f"elements but output_tensor_list[{me}] has {outs[me].numel}")
+        backend = _backend(pg, outs[0])
+        fp = {"dtype": outs[0].dtype, "device": outs[0].device}
+        return fp, lambda call: backend.all_to_all(list(output_tensor_list),
+                                                   list(input_tensor_list), call)
+
+    return _run("all_to_all", group, async_op, prepare, list(output_tensor_list)
+                if isinstance(output_tensor_list, (list, tuple)) else None)
+
+
+def _splits(value: Optional[Sequence[int]], name: str, dim0: int, size: int) -> List[int]:
+    if value is None or len(value) == 0:
+        if dim0 % size:
+            raise ValueError(f"{name} is not given, so dim 0 ({dim0}) must divide evenly "
+                             f"by world_size {size}")
+        return [dim0 // size] * size
+    splits = [int(v) for v in value]
+    if len(splits) != size:
+        raise ValueError(f"{name} must have one size per rank: expected {size}, got {len(splits)}")
+    if any(v < 0 for v in splits):
+        raise ValueError(f"{name} must be non-negative, got {splits}")
+    if sum(splits) != dim0:
+        raise ValueError(f"{name} must sum to dim 0 of the tensor ({dim0}), got sum {sum(splits)}")
+    return splits
+
+
+def all_to_all_single(output: Tensor, input: Tensor,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None,
+                      group: GroupLike = None, async_op: bool = False) -> Optional[Work]:
+    """Split ``input`` along dim 0 (``input_split_sizes``), send piece j to rank j, and
+    concatenate what arrives into ``output`` (``output_split_sizes``)."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        out = _tensor(output, "output", writable=True)
+        inp = _tensor(input, "input")
+        _same(inp, out, "input", shape=False)
+        if len(out.shape) != len(inp.shape) or out.shape[1:] != inp.shape[1:]:
+            raise ValueError(f"input and output must match beyond dim 0: input {inp.shape}, "
+                             f"output {out.shape}")
+        dim_in = inp.shape[0] if inp.shape else inp.numel
+        dim_out = out.shape[0] if out.shape else out.numel
+        ins = _splits(input_split_sizes, "input_split_sizes", dim_in, pg.size())
+        outs = _splits(output_split_sizes, "output_split_sizes", dim_out, pg.size())
+        me = pg.rank()
+        if ins[me] != outs[me]:
+            raise ValueError(f"input_split_sizes[{me}]={ins[me]} (sent to self) must equal "
+                             f"output_split_sizes[{me}]={outs[me]}")
+        backend = _backend(pg, out)
+        fp = {"dtype": out.dtype, "device": out.device, "trailing": tuple(out.shape[1:])}
+        return fp, lambda call: backend.all_to_all_single(output, input, outs, ins, call)
+
+    return _run("all_to_all_single", group, async_op, prepare, [output])
+
+
+#: torch 2.13's newer names.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def barrier(group: GroupLike = None, async_op: bool = False,
+            device_ids: Optional[List[int]] = None) -> Optional[Work]:
+    """Wait until every rank of the group has reached the barrier."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        backend = pg.backend("cpu")
+        return {}, backend.barrier
+
+    return _run("barrier", group, async_op, prepare)
+
+
+def monitored_barrier(group: GroupLike = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that reports which ranks failed to arrive within ``timeout``.
+
+    Raises :class:`~raycoll.errors.DistTimeoutError` naming the missing ranks (all of them;
+    ``wait_all_ranks`` is accepted for torch compatibility: the coordinator always knows all).
+    """
+    from raycoll.work import to_seconds
+
+    pg = _resolve(group, "monitored_barrier")
+    if pg is None:
+        return None
+    seconds = to_seconds(timeout, pg.timeout_s)
+    call = pg.new_call("monitored_barrier")
+    call = Call(call.op, call.seq, float(seconds or pg.timeout_s), dict(call.fp))
+    pg.run(call, lambda: pg.backend("cpu").barrier(call), False)
+    return None
+
+
+# ---------------------------------------------------------------------- point to point
+def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: int,
+         group_peer: Optional[int], async_op: bool, *, receive: bool) -> Any:
+    pg = _resolve(group, op)
+    if pg is None:
+        return None
+    name = "src" if receive else "dst"
+    gp = _peer(pg, peer, group_peer, name, f"group_{name}", required=not receive)
+    if not receive and gp == pg.rank():
+        raise ValueError(f"{op}: dst={peer if peer is not None else group_peer} is this rank; "
+                         "a rank cannot send to itself")
+    if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
+        raise TypeError(f"tag must be an int, got {tag!r}")
+    info = _tensor(tensor, "tensor", writable=receive)
+    backend = _backend(pg, info)
+    timeout = pg.timeout_s
+    if receive:
+        def post() -> Any:
+            return backend.recv(tensor, gp, int(tag), timeout)
+    else:
+        def post() -> Any:
+            return backend.send(tensor, gp, int(tag), timeout)
+    describe_ = f"{op} on group {pg.name!r}"
+    return pg.run_p2p(post, async_op, describe_, [tensor])
+
+
+def send(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,
+         group_dst: Optional[int] = None) -> None:
+    """Send ``tensor`` to ``dst``; returns once the receiver has taken it."""
+    _p2p("send", tensor, dst, group, tag, group_dst, False, receive=False)
+
+
+def recv(tensor: Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0,
+         group_src: Optional[int] = None) -> Optional[int]:
+    """Receive into ``tensor`` from ``src`` (any rank when ``None``); returns the sender's rank."""
+    return _p2p("recv", tensor, src, group, tag, group_src, False, receive=True)
+
+
+def isend(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,
+          group_dst: Optional[int] = None) -> Optional[Work]:
+    """Send asynchronously (the data is captured at the call); returns a ``Work``."""
+    return _p2p("isend", tensor, dst, group, tag, group_dst, True, receive=False)
+
+
+def irecv(tensor: Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0,
+          group_src: Optional[int] = None) -> Optional[Work]:
+    """Receive asynchronously into ``tensor``; returns a ``Work`` (``source_rank()`` after)."""
+    return _p2p("irecv", tensor, src, group, tag, group_src, True, receive=True)
+
+
+class P2POp:
+    """One operation of :func:`batch_isend_irecv`: ``P2POp(isend, tensor, peer)``."""
+
+    def __init__(self, op: Callable[..., Any], tensor: Tensor, peer: Optional[int] = None,
+                 group: GroupLike = None, tag: int = 0, group_peer: Optional[int] = None) -> None:
+        name = getattr(op, "__name__", "")
+        if name not in ("isend", "irecv"):
+            raise ValueError(f"P2POp op must be raycoll.isend or raycoll.irecv, got {op!r}")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp needs peer (a global rank) or group_peer (a group rank)")
+        if not is_tensor(tensor):
+            raise TypeError(f"P2POp tensor must be a tensor, got {type(tensor).__name__}")
+        self.op = isend if name == "isend" else irecv
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
+    """Post every send and receive of the list at once; returns their ``Work`` handles."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("p2p_op_list must be a non-empty list of P2POp")
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
+    works = []
+    for p in p2p_op_list:
+        if p.op is isend:
+            work = isend(p.tensor, p.peer, p.group, p.tag, group_dst=p.group_peer)
+        else:
+            work = irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+# ---------------------------------------------------------------------- objects
+def all_gather_object(object_list: List[Any], obj: Any, group: GroupLike = None) -> None:
+    """Fill ``object_list`` with every rank's ``obj`` (through the object store)."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        if not isinstance(object_list, list):
+            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+        if len(object_list) != pg.size():
+            raise ValueError(f"object_list must have one slot per rank: expected {pg.size()}, "
+                             f"got {len(object_list)}")
+        ref = objects.put(obj, "obj")
+        return {}, lambda call: objects.all_gather(pg.context, call, ref, object_list)
+
+    _run("all_gather_object", group, False, prepare)
+
+
+def broadcast_object_list(object_list: List[Any], src: Optional[int] = None,
+                          group: GroupLike = None, device: Any = None,
+                          group_src: Optional[int] = None) -> None:
+    """Replace ``object_list``'s items on every rank with those of ``src``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, src, group_src, "src", "group_src")
+        if not isinstance(object_list, list):
+            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+        ref = objects.put(list(object_list), "object_list") if pg.rank() == root else None
+        fp = {"root": root, "length": len(object_list)}
+        return fp, lambda call: objects.broadcast(pg.context, call, ref, root, object_list)
+
+    _run("broadcast_object_list", group, False, prepare)
+
+
+def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None,
+                  dst: Optional[int] = None, group: GroupLike = None,
+                  group_dst: Optional[int] = None) -> None:
+    """Gather every rank's ``obj`` into ``object_gather_list`` on ``dst``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, 0 if dst is None and group_dst is None else dst, group_dst, "dst",
+                     "group_dst")
+        if pg.rank() == root:
+            if not isinstance(object_gather_list, list) or len(object_gather_list) != pg.size():
+                got = (len(object_gather_list) if isinstance(object_gather_list, list)
+                       else type(object_gather_list).__name__)
+                raise ValueError(f"object_gather_list on the destination rank must be a list "
+                                 f"with one slot per rank ({pg.size()}), got {got}")
+        elif object_gather_list:
+            raise ValueError("object_gather_list must not be given on a non-destination rank")
+        ref = objects.put(obj, "obj")
+        return {"root": root}, lambda call: objects.gather(pg.context, call, ref, root,
+                                                           object_gather_list)
+
+    _run("gather_object", group, False, prepare)
+
+
+def scatter_object_list(scatter_object_output_list: List[Any],
+                        scatter_object_input_list: Optional[List[Any]] = None,
+                        src: Optional[int] = None, group: GroupLike = None,
+                        group_src: Optional[int] = None) -> None:
+    """Send ``scatter_object_input_list[i]`` from ``src``; rank i's lands in
+    ``scatter_object_output_list[0]``."""
+    def prepare(pg: ProcessGroup) -> Prepared:
+        root = _peer(pg, 0 if src is None and group_src is None else src, group_src, "src",
+                     "group_src")
+        if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+            raise ValueError("scatter_object_output_list must be a non-empty list")
+        refs = None
+        if pg.rank() == root:
+            if (not isinstance(scatter_object_input_list, list)
+                    or len(scatter_object_input_list) != pg.size()):
+                raise ValueError(f"scatter_object_input_list on the source rank must be a list "
+                                 f"with one object per rank ({pg.size()})")
+            refs = [objects.put(o, f"scatter_object_input_list[{i}]")
+                    for i, o in enumerate(scatter_object_input_list)]
+        return {"root": root}, lambda call: objects.scatter(pg.context, call, refs, root,
+                                                            scatter_object_output_list)
+
+    _run("scatter_object_list", group, False, prepare)

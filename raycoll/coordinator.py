@@ -1,0 +1,567 @@
+"""The coordinator: one async Ray actor per root group, and the client ranks use to reach it.
+
+The coordinator is the control plane. It does rendezvous (world size, rank uniqueness, each
+rank's node), keeps a small key-value store, matches every collective's arrivals (sequence
+number, step, fingerprint), routes small payloads and object references between ranks,
+reduces small payloads inline, matches point-to-point messages, and reports failures to
+every rank involved: mismatched arguments, a rank that rejected its own arguments, ranks that
+never arrived (by name, with their last completed collective), an aborted group. Subgroups
+made with ``new_group`` share their root group's coordinator, keyed by group name.
+
+It knows nothing of arrays beyond metadata and small inline payloads: large data travels as
+object references that it only forwards.
+
+Results travel back as plain tuples, ``("ok", value)`` or ``("err", kind, message, extra)``;
+:class:`CoordinatorClient` turns the latter into raycoll's exceptions on the calling rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import ray
+
+from raycoll import errors
+from raycoll.reduce_op import ReduceOp, reduce_arrays
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["Coordinator", "CoordinatorClient", "coordinator_name", "GRACE_S"]
+
+#: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
+GRACE_S = 10.0
+
+Result = Tuple[Any, ...]
+
+
+def coordinator_name(job_id: str, group_name: str) -> str:
+    """The Ray actor name of a root group's coordinator (namespaced by the job)."""
+    return f"raycoll:{job_id}:{group_name}"
+
+
+def _ok(value: Any = None) -> Result:
+    return ("ok", value)
+
+
+def _err(kind: str, message: str, **extra: Any) -> Result:
+    return ("err", kind, message, extra)
+
+
+def _fmt_ranks(ranks: Sequence[int]) -> str:
+    return "[" + ", ".join(str(r) for r in ranks) + "]"
+
+
+@dataclass
+class _Arrival:
+    fp: Dict[str, Any]
+    send_meta: Optional[List[Any]]
+    recv_meta: Optional[List[Any]]
+    payload: Any
+
+
+@dataclass
+class _Round:
+    """One step of one collective on one group: who arrived, with what, and the outcome."""
+
+    op: str
+    seq: int
+    size: int
+    arrivals: Dict[int, _Arrival] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    results: Optional[Dict[int, Any]] = None
+    error: Optional[Result] = None
+    collected: set = field(default_factory=set)
+
+
+@dataclass
+class _Message:
+    src: int
+    tag: int
+    meta: Any
+    payload: Any
+    future: "asyncio.Future[Result]"
+
+
+@dataclass
+class _Receiver:
+    src: Optional[int]
+    tag: int
+    meta: Any
+    future: "asyncio.Future[Result]"
+
+
+class Coordinator:
+    """The coordinator actor's class. Create it with :func:`start_coordinator`."""
+
+    def __init__(self, group_name: str, world_size: int) -> None:
+        self._group_name = group_name
+        self._world_size = world_size
+        self._members: Dict[int, Dict[str, Any]] = {}
+        self._formed = asyncio.Event()
+        self._generation = 0
+        self._left: set = set()
+        self._reset = asyncio.Event()
+        self._kv: Dict[str, Any] = {}
+        self._kv_events: Dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._rounds: Dict[Tuple[str, int, int], _Round] = {}
+        self._groups: Dict[str, Tuple[int, ...]] = {}
+        self._broken: Dict[str, Result] = {}
+        self._last: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
+        self._current: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
+        self._mail: Dict[Tuple[str, int], Deque[_Message]] = defaultdict(deque)
+        self._waiting: Dict[Tuple[str, int], List[_Receiver]] = defaultdict(list)
+
+    # ------------------------------------------------------------------ rendezvous
+    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
+        """Register ``rank``; return every rank's info once all ``world_size`` have arrived."""
+        if world_size != self._world_size:
+            return _err(
+                "value",
+                f"group {self._group_name!r} has world_size={self._world_size}, "
+                f"but rank {rank} called with world_size={world_size}",
+            )
+        if not 0 <= rank < world_size:
+            return _err("value", f"rank={rank} is out of range for world_size={world_size}")
+        if self._formed.is_set() and rank in self._left:
+            # This rank left and comes back: wait until every rank has left, then re-form.
+            try:
+                await asyncio.wait_for(self._reset.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return _err("timeout", f"rank {rank} re-joined group {self._group_name!r} but the "
+                            f"previous generation never fully left within {timeout_s}s")
+        if rank in self._members:
+            return _err("value", f"rank {rank} joined group {self._group_name!r} twice "
+                        "(two processes called with the same rank)")
+        self._members[rank] = info
+        if len(self._members) == self._world_size:
+            self._formed.set()
+            self._reset = asyncio.Event()
+            self._left = set()
+        try:
+            await asyncio.wait_for(self._formed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(self._world_size)) - set(self._members))
+            self._members.pop(rank, None)
+            return _err("timeout", f"rendezvous of group {self._group_name!r} timed out after "
+                        f"{timeout_s:g}s: ranks {_fmt_ranks(missing)} never joined", missing=missing)
+        return _ok({
+            "members": [dict(self._members[r], rank=r) for r in range(self._world_size)],
+            "generation": self._generation,
+        })
+
+    def leave(self, rank: int) -> Result:
+        """``rank`` destroyed its handle on the group; once all have, the group may re-form."""
+        self._left.add(rank)
+        if self._left >= set(range(self._world_size)):
+            self._members.clear()
+            self._formed = asyncio.Event()
+            self._generation += 1
+            self._rounds.clear()
+            self._broken.clear()
+            self._last.clear()
+            self._current.clear()
+            self._reset.set()
+        return _ok()
+
+    # ------------------------------------------------------------------ key-value store
+    def kv_set(self, key: str, value: Any) -> Result:
+        self._kv[key] = value
+        self._kv_events[key].set()
+        return _ok()
+
+    async def kv_get(self, key: str, timeout_s: float) -> Result:
+        if key not in self._kv:
+            try:
+                await asyncio.wait_for(self._kv_events[key].wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return _err("timeout", f"key {key!r} was not set within {timeout_s:g}s")
+        return _ok(self._kv[key])
+
+    # ------------------------------------------------------------------ collectives
+    async def exchange(
+        self,
+        key: str,
+        ranks: Tuple[int, ...],
+        seq: int,
+        step: int,
+        rank: int,
+        fp: Dict[str, Any],
+        send_meta: Optional[List[Any]],
+        recv_meta: Optional[List[Any]],
+        payload: Any,
+        mode: str,
+        root: Optional[int],
+        timeout_s: float,
+    ) -> Result:
+        """Arrive at step ``step`` of collective ``seq`` on group ``key``; wait for the others.
+
+        ``mode="route"``: ``payload`` is a per-destination list; each rank gets the list of what
+        every source sent it. ``mode="reduce"``: ``payload`` is an array; the coordinator reduces
+        all of them with ``fp["reduce_op"]`` and returns the result to every rank (or only to
+        ``root``, a group rank).
+        """
+        if key in self._broken:
+            return self._broken[key]
+        self._groups[key] = tuple(ranks)
+        size = len(ranks)
+        rnd = self._round(key, seq, step, fp.get("op", "?"), size)
+        if rank in rnd.arrivals:
+            return _err("protocol", f"group rank {rank} arrived twice at {rnd.op} #{seq}")
+        self._current[key][rank] = (rnd.op, seq)
+        if not rnd.done.is_set():
+            rnd.arrivals[rank] = _Arrival(fp, send_meta, recv_meta, payload)
+            if len(rnd.arrivals) == size:
+                self._complete(key, rnd, mode, root)
+        if not rnd.done.is_set():
+            try:
+                await asyncio.wait_for(rnd.done.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                if not rnd.done.is_set():
+                    self._time_out(key, rnd, timeout_s)
+        return self._collect(key, step, rnd, rank)
+
+    def reject(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str, message: str) -> Result:
+        """``rank`` rejected its own arguments for collective ``seq``: fail it on every rank."""
+        self._groups[key] = tuple(ranks)
+        rnd = self._round(key, seq, 0, op, len(ranks))
+        if not rnd.done.is_set():
+            rnd.error = _err("peer_arg", f"{op} #{seq} on group {key!r} cannot run: rank "
+                             f"{ranks[rank]} rejected its arguments: {message}", source=ranks[rank])
+            self._finish(rnd)
+        rnd.collected.add(rank)
+        self._maybe_drop(key, 0, rnd)
+        return _ok()
+
+    def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None) -> Result:
+        """Break group ``key`` (and the groups under it): every waiting and later call fails."""
+        error = _err(kind, message, **(extra or {}))
+        keys = {k for k in set(self._groups) | {key} if k == key or k.startswith(key + "/")}
+        for k in keys:
+            self._broken.setdefault(k, error)
+        for (k, _seq, _step), rnd in list(self._rounds.items()):
+            if k in keys and not rnd.done.is_set():
+                rnd.error = self._broken[k]
+                self._finish(rnd)
+        for (k, _dst), items in list(self._mail.items()):
+            if k in keys:
+                for msg in items:
+                    if not msg.future.done():
+                        msg.future.set_result(self._broken[k])
+                items.clear()
+        for (k, _dst), receivers in list(self._waiting.items()):
+            if k in keys:
+                for rcv in receivers:
+                    if not rcv.future.done():
+                        rcv.future.set_result(self._broken[k])
+                receivers.clear()
+        return _ok()
+
+    def pending(self, key: str, seq: int) -> Result:
+        """Which global ranks have not yet arrived at collective ``seq`` of group ``key``."""
+        ranks = self._groups.get(key, ())
+        arrived = set()
+        for (k, s, _step), rnd in self._rounds.items():
+            if k == key and s == seq:
+                arrived |= set(rnd.arrivals)
+        missing = [ranks[r] for r in range(len(ranks)) if r not in arrived]
+        return _ok({"missing": missing, "last": self._last_of(key, missing)})
+
+    def status(self) -> Result:
+        """Each group's ranks: last completed and current collective (name, seq)."""
+        out: Dict[str, Any] = {}
+        for key, ranks in self._groups.items():
+            out[key] = {
+                ranks[r]: {
+                    "last_completed": self._last[key].get(r),
+                    "current": self._current[key].get(r),
+                }
+                for r in range(len(ranks))
+            }
+            if key in self._broken:
+                out[key]["broken"] = self._broken[key][2]
+        return _ok({"world_size": self._world_size, "members": sorted(self._members),
+                    "generation": self._generation, "groups": out})
+
+    # ------------------------------------------------------------------ point to point
+    async def p2p_send(self, key: str, src: int, dst: int, tag: int, meta: Any, payload: Any,
+                       timeout_s: float) -> Result:
+        """Post a message from group rank ``src`` to ``dst``; resolves once a recv matched it."""
+        if key in self._broken:
+            return self._broken[key]
+        loop = asyncio.get_running_loop()
+        receivers = self._waiting[(key, dst)]
+        for i, rcv in enumerate(receivers):
+            if (rcv.src is None or rcv.src == src) and rcv.tag == tag:
+                del receivers[i]
+                return self._match(key, src, dst, tag, meta, payload, rcv.meta, rcv.future)
+        msg = _Message(src, tag, meta, payload, loop.create_future())
+        self._mail[(key, dst)].append(msg)
+        return await self._await_p2p(msg.future, timeout_s, lambda: self._drop_msg(key, dst, msg),
+                                     f"send from rank {src} to rank {dst} (tag {tag}) on group "
+                                     f"{key!r} was not received within {timeout_s:g}s")
+
+    async def p2p_recv(self, key: str, src: Optional[int], dst: int, tag: int, meta: Any,
+                       timeout_s: float) -> Result:
+        """Receive at group rank ``dst`` from ``src`` (``None``: any); returns ``(src, payload)``."""
+        if key in self._broken:
+            return self._broken[key]
+        loop = asyncio.get_running_loop()
+        mailbox = self._mail[(key, dst)]
+        for i, msg in enumerate(mailbox):
+            if (src is None or msg.src == src) and msg.tag == tag:
+                del mailbox[i]
+                here: "asyncio.Future[Result]" = loop.create_future()
+                result = self._match(key, msg.src, dst, tag, msg.meta, msg.payload, meta, here,
+                                     sender=msg.future)
+                return here.result() if here.done() else result
+        rcv = _Receiver(src, tag, meta, loop.create_future())
+        self._waiting[(key, dst)].append(rcv)
+        who = "any rank" if src is None else f"rank {src}"
+        return await self._await_p2p(rcv.future, timeout_s, lambda: self._drop_rcv(key, dst, rcv),
+                                     f"recv at rank {dst} from {who} (tag {tag}) on group {key!r} "
+                                     f"got no message within {timeout_s:g}s")
+
+    # ------------------------------------------------------------------ internals
+    def _round(self, key: str, seq: int, step: int, op: str, size: int) -> _Round:
+        rk = (key, seq, step)
+        rnd = self._rounds.get(rk)
+        if rnd is None:
+            rnd = self._rounds[rk] = _Round(op, seq, size)
+        return rnd
+
+    def _complete(self, key: str, rnd: _Round, mode: str, root: Optional[int]) -> None:
+        ranks = self._groups[key]
+        mismatch = _fingerprint_mismatch(rnd, ranks) or _meta_mismatch(rnd, ranks)
+        if mismatch:
+            rnd.error = _err("mismatch", f"{rnd.op} #{rnd.seq} on group {key!r}: {mismatch}")
+        elif mode == "reduce":
+            arrays = [rnd.arrivals[r].payload for r in range(rnd.size)]
+            try:
+                out = reduce_arrays(ReduceOp(*rnd.arrivals[0].fp["reduce_op"]), arrays)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                rnd.error = _err("value", f"{rnd.op} #{rnd.seq} on group {key!r}: {exc}")
+            else:
+                rnd.results = {r: out if root is None or r == root else None for r in range(rnd.size)}
+        else:
+            rnd.results = {
+                r: [
+                    (rnd.arrivals[s].payload[r] if rnd.arrivals[s].payload is not None else None)
+                    for s in range(rnd.size)
+                ]
+                for r in range(rnd.size)
+            }
+        for arrival in rnd.arrivals.values():
+            arrival.payload = None
+        if rnd.error is None:
+            for r in range(rnd.size):
+                self._last[key][r] = (rnd.op, rnd.seq)
+        self._finish(rnd)
+
+    def _finish(self, rnd: _Round) -> None:
+        rnd.done.set()
+
+    def _time_out(self, key: str, rnd: _Round, timeout_s: float) -> None:
+        ranks = self._groups[key]
+        missing_local = [r for r in range(rnd.size) if r not in rnd.arrivals]
+        missing = [ranks[r] for r in missing_local]
+        lasts = self._last_of(key, missing)
+        detail = "; ".join(
+            f"rank {g} last completed {lasts[g][0]} #{lasts[g][1]}" if lasts.get(g) else
+            f"rank {g} completed nothing on this group" for g in missing
+        )
+        rnd.error = _err(
+            "timeout",
+            f"{rnd.op} #{rnd.seq} on group {key!r} timed out after {timeout_s:g}s: ranks "
+            f"{_fmt_ranks(missing)} never arrived ({detail})",
+            missing=missing,
+        )
+        self._broken[key] = rnd.error
+        self._finish(rnd)
+
+    def _last_of(self, key: str, global_ranks: Sequence[int]) -> Dict[int, Optional[Tuple[str, int]]]:
+        ranks = self._groups.get(key, ())
+        return {g: self._last[key].get(ranks.index(g)) if g in ranks else None for g in global_ranks}
+
+    def _collect(self, key: str, step: int, rnd: _Round, rank: int) -> Result:
+        rnd.collected.add(rank)
+        if rnd.error is not None:
+            result = rnd.error
+        else:
+            result = _ok((rnd.results or {}).pop(rank, None))
+        self._maybe_drop(key, step, rnd)
+        return result
+
+    def _maybe_drop(self, key: str, step: int, rnd: _Round) -> None:
+        if rnd.done.is_set() and len(rnd.collected) >= rnd.size:
+            self._rounds.pop((key, rnd.seq, step), None)
+
+    def _match(self, key: str, src: int, dst: int, tag: int, send_meta: Any, payload: Any,
+               recv_meta: Any, receiver: "asyncio.Future[Result]",
+               sender: "Optional[asyncio.Future[Result]]" = None) -> Result:
+        ranks = self._groups.get(key) or tuple(range(self._world_size))
+        if send_meta != recv_meta:
+            error = _err("mismatch", f"send from rank {ranks[src]} to rank {ranks[dst]} (tag {tag}) on "
+                         f"group {key!r}: the sender sent {_fmt_meta(send_meta)} but the receiver "
+                         f"expects {_fmt_meta(recv_meta)}")
+            receiver.set_result(error)
+            if sender is not None:
+                sender.set_result(error)
+            return error
+        receiver.set_result(_ok((src, payload)))
+        if sender is not None:
+            sender.set_result(_ok())
+        return _ok()
+
+    async def _await_p2p(self, future: "asyncio.Future[Result]", timeout_s: float, drop: Any,
+                         message: str) -> Result:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except asyncio.TimeoutError:
+            if future.done():
+                return future.result()
+            drop()
+            return _err("timeout", message)
+
+    def _drop_msg(self, key: str, dst: int, msg: _Message) -> None:
+        try:
+            self._mail[(key, dst)].remove(msg)
+        except ValueError:
+            pass
+
+    def _drop_rcv(self, key: str, dst: int, rcv: _Receiver) -> None:
+        try:
+            self._waiting[(key, dst)].remove(rcv)
+        except ValueError:
+            pass
+
+
+def _fmt_meta(meta: Any) -> str:
+    if isinstance(meta, tuple) and len(meta) == 2:
+        return f"dtype={meta[0]}, shape={tuple(meta[1])}"
+    return repr(meta)
+
+
+def _fingerprint_mismatch(rnd: _Round, ranks: Sequence[int]) -> Optional[str]:
+    fps = {r: a.fp for r, a in rnd.arrivals.items()}
+    keys = sorted({k for fp in fps.values() for k in fp})
+    problems = []
+    for k in keys:
+        values: Dict[str, List[int]] = defaultdict(list)
+        for r in sorted(fps):
+            values[repr(fps[r].get(k))].append(ranks[r])
+        if len(values) > 1:
+            parts = ", ".join(f"ranks {_fmt_ranks(rs)} passed {v}" for v, rs in values.items())
+            problems.append(f"ranks disagree on {k}: {parts}")
+    return "; ".join(problems) or None
+
+
+def _meta_mismatch(rnd: _Round, ranks: Sequence[int]) -> Optional[str]:
+    problems = []
+    for r, arrival in rnd.arrivals.items():
+        if arrival.recv_meta is None:
+            continue
+        for s in range(rnd.size):
+            sender = rnd.arrivals[s].send_meta
+            sent = sender[r] if sender is not None else None
+            expected = arrival.recv_meta[s]
+            if sent != expected:
+                problems.append(
+                    f"rank {ranks[s]} sends rank {ranks[r]} "
+                    f"{'nothing' if sent is None else _fmt_meta(sent)} but rank {ranks[r]} expects "
+                    f"{'nothing' if expected is None else _fmt_meta(expected)}"
+                )
+    if len(problems) > 4:
+        problems = problems[:4] + [f"... and {len(problems) - 4} more"]
+    return "; ".join(problems) or None
+
+
+_RemoteCoordinator = ray.remote(num_cpus=0, max_concurrency=100_000, max_restarts=0)(Coordinator)
+
+
+def start_coordinator(group_name: str, world_size: int, actor_name: str,
+                      get_if_exists: bool = False) -> "ray.actor.ActorHandle":
+    """Start (or, with ``get_if_exists``, find) the named coordinator of a root group."""
+    return _RemoteCoordinator.options(name=actor_name, get_if_exists=get_if_exists).remote(
+        group_name, world_size
+    )
+
+
+_ERRORS = {
+    "mismatch": errors.CollectiveMismatchError,
+    "peer_arg": errors.PeerArgumentError,
+    "timeout": errors.DistTimeoutError,
+    "rank_failed": errors.RankFailedError,
+    "aborted": errors.GroupBrokenError,
+    "destroyed": errors.GroupDestroyedError,
+    "coordinator_died": errors.CoordinatorDiedError,
+    "protocol": errors.CollectiveError,
+}
+
+
+class CoordinatorClient:
+    """How a rank talks to its coordinator: every wait bounded, every failure translated."""
+
+    def __init__(self, handle: "ray.actor.ActorHandle", group_name: str) -> None:
+        self.handle = handle
+        self.group_name = group_name
+
+    def submit(self, method: str, *args: Any) -> "ray.ObjectRef":
+        return getattr(self.handle, method).remote(*args)
+
+    def wait(self, ref: "ray.ObjectRef", timeout_s: float, *, op: Optional[str] = None,
+             seq: Optional[int] = None, group: Optional[str] = None,
+             rank: Optional[int] = None) -> Any:
+        """The value of a coordinator call, or the raycoll exception it stands for."""
+        ctx = {"op": op, "seq": seq, "group": group or self.group_name, "rank": rank}
+        where = f"{op} #{seq} on group {ctx['group']!r}" if op else f"group {ctx['group']!r}"
+        try:
+            result = ray.get(ref, timeout=timeout_s + GRACE_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise errors.DistTimeoutError(
+                f"{where}: the coordinator did not answer within {timeout_s + GRACE_S:g}s", **ctx
+            ) from exc
+        except ray.exceptions.RayActorError as exc:
+            raise errors.CoordinatorDiedError(
+                f"{where}: the coordinator of group {self.group_name!r} is gone (the group was "
+                "destroyed, or the process that created it exited)", **ctx
+            ) from exc
+        return unwrap(result, ctx)
+
+    def call(self, method: str, *args: Any, timeout_s: float, **ctx: Any) -> Any:
+        return self.wait(self.submit(method, *args), timeout_s, **ctx)
+
+
+def unwrap(result: Result, ctx: Dict[str, Any]) -> Any:
+    """``("ok", v)`` -> ``v``; ``("err", kind, msg, extra)`` -> raise the matching exception."""
+    if result[0] == "ok":
+        return result[1]
+    _, kind, message, extra = result
+    if kind == "value":
+        raise ValueError(message)
+    cls = _ERRORS.get(kind, errors.CollectiveError)
+    kwargs = dict(ctx)
+    if cls is errors.DistTimeoutError:
+        kwargs["missing"] = extra.get("missing", ())
+    if cls is errors.RankFailedError:
+        kwargs["failed_ranks"] = extra.get("failed_ranks", ())
+    if cls is errors.GroupDestroyedError:
+        raise cls(message)
+    raise cls(message, **kwargs)
+
+
+def rank_info() -> Dict[str, Any]:
+    """What a rank tells the coordinator about itself at rendezvous."""
+    ctx = ray.get_runtime_context()
+    info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
+                            "time": time.time()}
+    try:
+        info["actor_id"] = ctx.get_actor_id()
+        info["actor"] = ctx.current_actor if info["actor_id"] else None
+    except Exception:  # noqa: BLE001 - not inside an actor (a driver or a task)
+        info["actor"] = None
+    return info

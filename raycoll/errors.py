@@ -1,0 +1,126 @@
+"""raycoll's exceptions: one tree, so that callers can tell whose fault a failure was.
+
+::
+
+    RaycollError (RuntimeError)             anything raycoll raises on its own account
+    ├── GroupError                          the group itself cannot be used
+    │   ├── GroupNotFoundError              no such group in this process (never formed)
+    │   └── GroupDestroyedError             closed by you: destroy_group / destroy_process_group
+    ├── CollectiveError                     a collective could not complete; names op and seq
+    │   ├── CollectiveMismatchError         ranks called it with different shape/dtype/op/root
+    │   ├── PeerArgumentError               another rank rejected its own arguments
+    │   ├── DistTimeoutError (TimeoutError) some ranks did not arrive in time; names them
+    │   └── GroupBrokenError                broken by the world; the cause is chained
+    │       ├── RankFailedError             a rank's actor died
+    │       └── CoordinatorDiedError        the group's coordinator actor is gone
+    ├── BackendUnavailableError             the backend for a device is missing (no cupy, ...)
+    └── SpawnError                          raycoll.spawn: a rank's function raised
+
+Invalid arguments on the calling rank raise the built-in ``ValueError`` / ``TypeError``, as
+``torch.distributed`` does, before anything is sent (the peers of that collective are told,
+and raise ``PeerArgumentError``). Ray's own exceptions are translated at the backend edge into
+these, with the original chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+__all__ = [
+    "RaycollError",
+    "GroupError",
+    "GroupNotFoundError",
+    "GroupDestroyedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "PeerArgumentError",
+    "DistTimeoutError",
+    "GroupBrokenError",
+    "RankFailedError",
+    "CoordinatorDiedError",
+    "BackendUnavailableError",
+    "SpawnError",
+]
+
+
+class RaycollError(RuntimeError):
+    """Base class of every exception raycoll raises on its own account."""
+
+
+class GroupError(RaycollError):
+    """The process group cannot be used from this process."""
+
+
+class GroupNotFoundError(GroupError, ValueError):
+    """No group of that name exists in this process."""
+
+
+class GroupDestroyedError(GroupError):
+    """The group was destroyed (by you) and takes no more calls."""
+
+
+class CollectiveError(RaycollError):
+    """A collective could not complete.
+
+    Attributes name the collective (``op``), its sequence number on the group (``seq``), the
+    group (``group``) and the rank that raised (``rank``) when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: Optional[str] = None,
+        seq: Optional[int] = None,
+        group: Optional[str] = None,
+        rank: Optional[int] = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.group = group
+        self.rank = rank
+
+
+class CollectiveMismatchError(CollectiveError, ValueError):
+    """Ranks called the same collective with arguments that do not fit together."""
+
+
+class PeerArgumentError(CollectiveError, ValueError):
+    """Another rank rejected its own arguments for this collective, so it cannot run."""
+
+
+class DistTimeoutError(CollectiveError, TimeoutError):
+    """Some ranks did not reach the collective in time. ``missing`` lists them (global ranks)."""
+
+    def __init__(self, message: str, *, missing: Sequence[int] = (), **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.missing = tuple(missing)
+
+
+class GroupBrokenError(CollectiveError):
+    """The group is broken by something outside the caller's control; see ``__cause__``."""
+
+
+class RankFailedError(GroupBrokenError):
+    """A rank of the group died. ``failed_ranks`` lists them (global ranks)."""
+
+    def __init__(self, message: str, *, failed_ranks: Sequence[int] = (), **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.failed_ranks = tuple(failed_ranks)
+
+
+class CoordinatorDiedError(GroupBrokenError):
+    """The group's coordinator actor is gone (destroyed, or its owner exited)."""
+
+
+class BackendUnavailableError(RaycollError):
+    """The backend a tensor needs is not available here (for example NCCL without cupy)."""
+
+
+class SpawnError(RaycollError):
+    """A rank's function raised inside :func:`raycoll.spawn`; the rank's error is the cause."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank

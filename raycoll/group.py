@@ -1,0 +1,436 @@
+"""``ProcessGroup`` and the per-process "world" that holds a rank's groups.
+
+A ``ProcessGroup`` knows its ranks (its members' global ranks, in group-rank order), the
+coordinator it talks to, its device -> backend map, and its sequence numbers. It runs every
+operation either inline (a synchronous call with nothing queued) or on its own single worker
+thread, so that operations on one group complete in issue order. Backends are created lazily,
+one per device kind.
+
+The world (one per process, see :func:`world`) maps group names to groups and knows the
+default group, so that ``group=None`` and ``group="dp"`` resolve inside any actor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from raycoll import errors
+from raycoll.backends import BackendConfig
+from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
+from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.work import Work
+
+logger = logging.getLogger("raycoll")
+
+__all__ = [
+    "ProcessGroup",
+    "GroupSpec",
+    "GroupMember",
+    "NON_GROUP_MEMBER",
+    "world",
+    "join_root_group",
+    "make_subgroup",
+    "DEFAULT_TIMEOUT_S",
+]
+
+#: The default collective timeout (torch's default process-group timeout, 30 minutes).
+DEFAULT_TIMEOUT_S = 30 * 60.0
+
+
+class _NonMember:
+    """What ``new_group`` returns on a rank outside the group (torch's NON_GROUP_MEMBER)."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+    def __reduce__(self) -> Any:
+        return (_non_member, ())
+
+
+def _non_member() -> "_NonMember":
+    return NON_GROUP_MEMBER
+
+
+NON_GROUP_MEMBER = _NonMember()
+
+
+class GroupMember:
+    """torch's ``GroupMember``: ``NON_GROUP_MEMBER`` marks groups this rank is not part of."""
+
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a rank needs to join a root group: sent by the driver or built by the rank."""
+
+    name: str
+    world_size: int
+    backend: Optional[str]
+    timeout_s: float
+    coordinator: Any  # ActorHandle
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Root:
+    """State shared by a root group and its subgroups."""
+
+    name: str
+    client: CoordinatorClient
+    members: List[Dict[str, Any]]
+    options: Dict[str, Any]
+
+
+class ProcessGroup:
+    """A group of ranks that run collectives together (``torch.distributed.ProcessGroup``)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        rank: int,
+        global_ranks: Sequence[int],
+        root: _Root,
+        config: BackendConfig,
+        timeout_s: float,
+        parent: Optional["ProcessGroup"] = None,
+    ) -> None:
+        self._name = name
+        self._rank = rank
+        self._global_ranks = tuple(global_ranks)
+        self._root = root
+        self._config = config
+        self._timeout_s = timeout_s
+        self._parent = parent
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._outstanding = 0
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._p2p_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._backends: Dict[str, CollectiveBackend] = {}
+        self._broken: Optional[BaseException] = None
+        self._destroyed: Optional[str] = None
+        self._subgroup_calls: Dict[tuple, int] = defaultdict(int)
+        self._debug = os.environ.get("RAYCOLL_DEBUG", "") not in ("", "0")
+        self.context = GroupContext(
+            group_name=name,
+            rank=rank,
+            global_ranks=self._global_ranks,
+            node_ids=[root.members[g].get("node_id", "") for g in self._global_ranks],
+            client=root.client,
+            timeout_s=timeout_s,
+            on_failure=self._on_backend_failure,
+            options=root.options,
+        )
+
+    # ------------------------------------------------------------------ torch-like accessors
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return len(self._global_ranks)
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def global_ranks(self) -> tuple:
+        """Members' global ranks, indexed by group rank."""
+        return self._global_ranks
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @property
+    def backend_config(self) -> BackendConfig:
+        return self._config
+
+    @property
+    def root_name(self) -> str:
+        return self._root.name
+
+    def __repr__(self) -> str:
+        return f"<raycoll.ProcessGroup {self._name!r} rank={self._rank} size={self.size()}>"
+
+    # ------------------------------------------------------------------ dispatch
+    def backend(self, device: str) -> CollectiveBackend:
+        """The backend serving ``device`` tensors, created on first use."""
+        backend = self._backends.get(device)
+        if backend is None:
+            backend = self._config.create(device, self.context, self._name)
+            self._backends[device] = backend
+        return backend
+
+    def check_usable(self) -> None:
+        if self._destroyed is not None:
+            raise errors.GroupDestroyedError(
+                f"group {self._name!r} was destroyed ({self._destroyed}); form it again to use it"
+            )
+        if self._broken is not None:
+            raise errors.GroupBrokenError(
+                f"group {self._name!r} is broken by an earlier failure ({self._broken}); destroy "
+                "it and form it again", group=self._name, rank=self.global_ranks[self._rank],
+            ) from self._broken
+
+    def new_call(self, op: str, fp: Optional[Dict[str, Any]] = None) -> Call:
+        """Take the next sequence number for collective ``op``."""
+        self.check_usable()
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        return Call(op, seq, self._timeout_s, dict(fp or {}, op=op))
+
+    def with_fingerprint(self, call: Call, **fp: Any) -> Call:
+        return Call(call.op, call.seq, call.timeout_s, dict(fp, op=call.op))
+
+    def reject(self, call: Call, exc: BaseException) -> None:
+        """Tell the peers that this rank rejected its arguments for ``call`` (no wait)."""
+        if self.size() > 1:
+            self._root.client.submit("reject", self._name, self._global_ranks, call.seq,
+                                     self._rank, call.op, str(exc))
+
+    def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
+            outputs: Optional[List[Any]] = None) -> Optional[Work]:
+        """Run ``fn`` for ``call`` in issue order; a ``Work`` when ``async_op``."""
+        if not async_op:
+            with self._lock:
+                idle = self._outstanding == 0
+            if idle:
+                self._execute(call, fn)
+            else:
+                self._submit(call, fn).result()
+            return None
+        future = self._submit(call, fn)
+        return Work(future, describe=f"{call.op} #{call.seq} on group {self._name!r}",
+                    on_timeout=lambda s: self._work_timed_out(call, s), outputs=outputs)
+
+    def run_p2p(self, post: Callable[[], Completion], async_op: bool, describe: str,
+                outputs: Optional[List[Any]] = None) -> Union[Work, Optional[int]]:
+        """Post a send/recv now; wait for it now, or return a ``Work``."""
+        self.check_usable()
+        completion = post()
+
+        def finish() -> Optional[int]:
+            source = completion()
+            return self._global_ranks[source] if source is not None else None
+
+        if not async_op:
+            return finish()
+        with self._lock:
+            if self._p2p_pool is None:
+                self._p2p_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix=f"raycoll-p2p-{self._name}")
+        return Work(self._p2p_pool.submit(finish), describe=describe, outputs=outputs)
+
+    def _submit(self, call: Call, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"raycoll-{self._name}")
+            self._outstanding += 1
+        try:
+            future = self._executor.submit(self._execute, call, fn)
+        except RuntimeError:
+            with self._lock:
+                self._outstanding -= 1
+            self.check_usable()
+            raise
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: "concurrent.futures.Future[Any]") -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    def _execute(self, call: Call, fn: Callable[[], Any]) -> Any:
+        self.check_usable()
+        start = time.perf_counter()
+        try:
+            return fn()
+        except (errors.GroupBrokenError, errors.DistTimeoutError) as exc:
+            if self._broken is None:
+                self._broken = exc
+            raise
+        finally:
+            if self._debug:
+                logger.debug("rank=%d group=%s op=%s seq=%d took %.3f ms",
+                             self.global_ranks[self._rank], self._name, call.op, call.seq,
+                             (time.perf_counter() - start) * 1e3)
+
+    def _on_backend_failure(self, exc: BaseException) -> None:
+        if self._broken is None:
+            self._broken = exc
+        failed = getattr(exc, "failed_ranks", ())
+        key = self._root.name if failed else self._name
+        kind = "rank_failed" if failed else "aborted"
+        self._root.client.submit("abort", key, kind, str(exc), {"failed_ranks": list(failed)})
+
+    def _work_timed_out(self, call: Call, seconds: float) -> BaseException:
+        missing: List[int] = []
+        detail = ""
+        try:
+            info = self._root.client.call("pending", self._name, call.seq, timeout_s=5.0)
+            missing = list(info["missing"])
+            lasts = info.get("last", {})
+            detail = "; ".join(
+                f"rank {g} last completed {lasts[g][0]} #{lasts[g][1]}" if lasts.get(g)
+                else f"rank {g} completed nothing on this group" for g in missing)
+        except errors.RaycollError as exc:  # the coordinator itself is gone or stuck
+            detail = f"the coordinator could not say who is missing: {exc}"
+        who = f"ranks {missing} had not arrived" if missing else "all ranks had arrived"
+        exc = errors.DistTimeoutError(
+            f"{call.op} #{call.seq} on group {self._name!r} did not complete within "
+            f"{seconds:g}s: {who} ({detail})",
+            missing=missing, op=call.op, seq=call.seq, group=self._name,
+            rank=self.global_ranks[self._rank],
+        )
+        if self._broken is None:
+            self._broken = exc
+        self._root.client.submit("abort", self._name, "timeout", str(exc), {"missing": missing})
+        return exc
+
+    def close(self, reason: str) -> None:
+        """Mark destroyed, release the backends and worker threads (does not wait)."""
+        if self._destroyed is not None:
+            return
+        self._destroyed = reason
+        for pool in (self._executor, self._p2p_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        for backend in self._backends.values():
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001 - best effort on teardown
+                logger.exception("closing backend of group %r failed", self._name)
+        self._backends.clear()
+
+    def next_subgroup_name(self, ranks: Sequence[int]) -> str:
+        """A name every member derives alike: the ranks and how often they were grouped."""
+        key = tuple(ranks)
+        with self._lock:
+            count = self._subgroup_calls[key]
+            self._subgroup_calls[key] += 1
+        return f"{self._root.name}/{'-'.join(map(str, key))}#{count}"
+
+
+GroupLike = Union[None, str, ProcessGroup, _NonMember]
+
+
+class _World:
+    """This process's groups: by name, plus the default group (``group=None``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.groups: Dict[str, ProcessGroup] = {}
+        self.default: Optional[ProcessGroup] = None
+        self.destroyed: Dict[str, str] = {}
+
+    def add(self, pg: ProcessGroup, make_default: bool) -> None:
+        with self.lock:
+            if pg.name in self.groups:
+                raise ValueError(f"group {pg.name!r} already exists in this process; destroy it first")
+            self.groups[pg.name] = pg
+            self.destroyed.pop(pg.name, None)
+            if make_default:
+                self.default = pg
+
+    def resolve(self, group: GroupLike) -> Union[ProcessGroup, _NonMember]:
+        """The group a ``group=`` argument names, or raise a clear error."""
+        if group is None:
+            with self.lock:
+                pg = self.default
+            if pg is None:
+                raise errors.GroupNotFoundError(
+                    "raycoll has no default group in this process: call "
+                    "raycoll.init_process_group(...) here, or raycoll.create_group(actors, ...) "
+                    "from the driver, first"
+                )
+            pg.check_usable()
+            return pg
+        if isinstance(group, _NonMember):
+            return group
+        if isinstance(group, ProcessGroup):
+            group.check_usable()
+            return group
+        if isinstance(group, str):
+            with self.lock:
+                pg = self.groups.get(group)
+                reason = self.destroyed.get(group)
+                names = sorted(self.groups)
+            if pg is None:
+                if reason is not None:
+                    raise errors.GroupDestroyedError(f"group {group!r} was destroyed ({reason})")
+                raise errors.GroupNotFoundError(
+                    f"no group named {group!r} in this process; groups here: {names}"
+                )
+            pg.check_usable()
+            return pg
+        raise TypeError(f"group must be a ProcessGroup, a group name or None, got {group!r}")
+
+    def remove(self, name: str, reason: str) -> List[ProcessGroup]:
+        """Remove ``name`` and its subgroups; return what was removed."""
+        with self.lock:
+            gone = [pg for n, pg in self.groups.items() if n == name or n.startswith(name + "/")]
+            for pg in gone:
+                del self.groups[pg.name]
+                self.destroyed[pg.name] = reason
+                if self.default is pg:
+                    self.default = None
+        for pg in gone:
+            pg.close(reason)
+        return gone
+
+
+_WORLD = _World()
+
+
+def world() -> _World:
+    """This process's world."""
+    return _WORLD
+
+
+def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = None) -> ProcessGroup:
+    """Rendezvous with the coordinator as ``rank`` and register the group in this process."""
+    config = BackendConfig(spec.backend)
+    client = CoordinatorClient(spec.coordinator, spec.name)
+    info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
+                       timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
+    root = _Root(spec.name, client, info["members"], dict(spec.options))
+    pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
+                      config=config, timeout_s=spec.timeout_s)
+    w = world()
+    with w.lock:
+        default = w.default is None if make_default is None else make_default
+        w.add(pg, make_default=default)
+    logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
+    return pg
+
+
+def make_subgroup(parent: ProcessGroup, ranks: Sequence[int], timeout_s: Optional[float],
+                  backend: Optional[str]) -> Union[ProcessGroup, _NonMember]:
+    """A subgroup of ``parent`` (global ``ranks``); ``NON_GROUP_MEMBER`` if we are not in it."""
+    name = parent.next_subgroup_name(ranks)
+    me = parent.global_ranks[parent.rank()]
+    if me not in ranks:
+        return NON_GROUP_MEMBER
+    config = BackendConfig(backend) if backend is not None else parent.backend_config
+    pg = ProcessGroup(name=name, rank=list(ranks).index(me), global_ranks=ranks, root=parent._root,
+                      config=config, timeout_s=timeout_s or parent.timeout_s, parent=parent)
+    world().add(pg, make_default=False)
+    return pg

@@ -1,0 +1,262 @@
+"""Driver side: form groups among existing actors, run SPMD functions, tear groups down.
+
+``create_group(actors, ...)`` starts the group's coordinator (owned by the driver, named and
+namespaced by the job so two jobs never meet) and has every actor join it, in list order, via
+Ray's ``__ray_call__`` (so any actor class works unchanged). ``spawn(fn, world_size, ...)``
+is ``torch.multiprocessing.spawn`` for Ray: it starts the actors, forms the group, runs
+``fn(rank, *args)`` everywhere, returns the results in rank order and cleans up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import ray
+from ray.actor import ActorHandle
+
+from raycoll import errors
+from raycoll.backends import BackendConfig
+from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
+from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
+from raycoll.work import to_seconds
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["create_group", "destroy_group", "spawn", "run_on", "group_status"]
+
+#: How long driver-side teardown waits for busy or dead actors.
+_TEARDOWN_S = 10.0
+
+
+@dataclass
+class _DriverGroup:
+    spec: GroupSpec
+    actors: List[ActorHandle]
+
+
+_lock = threading.Lock()
+_groups: Dict[str, _DriverGroup] = {}
+
+
+def _join(actor_self: Any, spec: GroupSpec, rank: int) -> None:
+    """Runs inside each actor (through ``__ray_call__``): join the group as ``rank``."""
+    join_root_group(spec, rank)
+
+
+def _leave(actor_self: Any, group_name: str) -> None:
+    """Runs inside each actor: forget the group (later calls get GroupDestroyedError)."""
+    world().remove(group_name, "destroy_group() was called from the driver")
+
+
+def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
+                 group_name: str = "default", timeout: Any = None,
+                 options: Optional[Dict[str, Any]] = None) -> None:
+    """Form group ``group_name`` among ``actors`` (rank = position in the list).
+
+    Call it from the driver (or any process that owns the actors). Returns once every actor
+    has joined; raises ``DistTimeoutError`` naming the actors that did not join within
+    ``timeout`` (a sync actor busy in another method cannot join until it returns). Inside
+    the actors the group is then the default group if they had none, and is always reachable
+    as ``group=group_name``.
+    """
+    if not isinstance(actors, (list, tuple)) or not actors:
+        raise ValueError("actors must be a non-empty list of Ray actor handles")
+    for i, actor in enumerate(actors):
+        if not isinstance(actor, ActorHandle):
+            raise TypeError(f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}")
+    ids = [a._actor_id for a in actors]
+    if len(set(ids)) != len(ids):
+        raise ValueError("actors must be distinct: the same actor appears twice")
+    if not isinstance(group_name, str) or not group_name or "/" in group_name:
+        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
+    BackendConfig(backend)  # reject a bad backend string before starting anything
+    seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+    with _lock:
+        if group_name in _groups:
+            raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
+                             "first or pick another group_name")
+        _groups[group_name] = _DriverGroup(GroupSpec(group_name, 0, backend, seconds, None), [])
+    try:
+        job = ray.get_runtime_context().get_job_id()
+        try:
+            handle = start_coordinator(group_name, len(actors), coordinator_name(job, group_name))
+        except ValueError as exc:  # the name is taken: another process of this job made it
+            raise ValueError(f"group {group_name!r} already exists in this job") from exc
+        spec = GroupSpec(group_name, len(actors), backend, seconds, handle, dict(options or {}))
+        refs = [a.__ray_call__.remote(_join, spec, rank) for rank, a in enumerate(actors)]
+        _wait_joined(refs, seconds, group_name)
+    except BaseException:
+        with _lock:
+            entry = _groups.pop(group_name, None)
+        if entry is not None and entry.spec.coordinator is not None:
+            ray.kill(entry.spec.coordinator)
+        if "handle" in locals():
+            ray.kill(handle)
+        raise
+    with _lock:
+        _groups[group_name] = _DriverGroup(spec, list(actors))
+
+
+def _wait_joined(refs: List[Any], timeout_s: float, group_name: str) -> None:
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for rank, ref in enumerate(refs):
+        if ref in ready:
+            try:
+                ray.get(ref, timeout=_TEARDOWN_S)
+            except ray.exceptions.RayActorError as exc:
+                raise errors.RankFailedError(
+                    f"create_group({group_name!r}): the actor of rank {rank} is dead",
+                    failed_ranks=[rank], group=group_name) from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.as_instanceof_cause() from None
+    if pending:
+        missing = [rank for rank, ref in enumerate(refs) if ref in pending]
+        raise errors.DistTimeoutError(
+            f"create_group({group_name!r}): ranks {missing} did not join within {timeout_s:g}s "
+            "(a sync actor busy in another method cannot join until it returns; an actor "
+            "whose resources cannot be scheduled never starts)",
+            missing=missing, group=group_name, op="create_group")
+
+
+def destroy_group(group_name: str = "default") -> None:
+    """Destroy a group formed with :func:`create_group`: actors forget it, the coordinator
+    stops. Actors that are busy or dead are not waited for beyond a few seconds. The same
+    name can be formed again afterwards."""
+    with _lock:
+        entry = _groups.pop(group_name, None)
+    if entry is None:
+        raise ValueError(f"no group {group_name!r} was created from this process; "
+                         f"groups: {sorted(_groups)}")
+    refs = []
+    for actor in entry.actors:
+        try:
+            refs.append(actor.__ray_call__.remote(_leave, group_name))
+        except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
+            pass
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
+    coordinator = entry.spec.coordinator
+    if coordinator is not None:
+        ray.kill(coordinator, no_restart=True)
+        try:  # wait for the name to be released, so the group can be formed again at once
+            ray.get(coordinator.__ray_ready__.remote(), timeout=_TEARDOWN_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+
+
+def group_status(group_name: str = "default") -> Dict[str, Any]:
+    """What the coordinator of a driver-created group knows: each rank's last collective."""
+    with _lock:
+        entry = _groups.get(group_name)
+    if entry is None or entry.spec.coordinator is None:
+        raise ValueError(f"no group {group_name!r} was created from this process; "
+                         f"groups: {sorted(_groups)}")
+    client = CoordinatorClient(entry.spec.coordinator, group_name)
+    return client.call("status", timeout_s=_TEARDOWN_S, op="group_status")
+
+
+class RankWorker:
+    """The actor class :func:`spawn` starts for each rank (and :mod:`raycoll.testing` reuses)."""
+
+    def run(self, fn: Callable[..., Any], rank: int, args: tuple, kwargs: dict) -> Any:
+        return fn(rank, *args, **kwargs)
+
+
+_SpawnWorker = ray.remote(RankWorker)
+
+
+def _check_feasible(world_size: int, options: Dict[str, Any]) -> None:
+    """Refuse a group the cluster can never schedule, instead of waiting forever."""
+    total = ray.cluster_resources()
+    demand = {"CPU": float(options.get("num_cpus", 1)) * world_size,
+              "GPU": float(options.get("num_gpus", 0) or 0) * world_size}
+    for name, amount in dict(options.get("resources") or {}).items():
+        demand[name] = float(amount) * world_size
+    short = {k: (v, total.get(k, 0.0)) for k, v in demand.items() if v > total.get(k, 0.0) + 1e-9}
+    if short:
+        detail = ", ".join(f"{k}: needs {need:g}, cluster has {have:g}" for k, (need, have) in short.items())
+        raise ValueError(
+            f"spawn(world_size={world_size}) can never be scheduled on this cluster ({detail}); "
+            "pass e.g. actor_options={'num_cpus': 0} or fractional resources, or start Ray "
+            "with more (ray.init(num_cpus=...))")
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Optional[dict] = None,
+          backend: Optional[str] = None, actor_options: Optional[Dict[str, Any]] = None,
+          group_name: Optional[str] = None, timeout: Any = None) -> List[Any]:
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` new actors forming one group.
+
+    Returns the per-rank results in rank order. If a rank raises, the group is aborted (so
+    the others fail fast instead of waiting in a collective), the actors are cleaned up, and
+    :class:`~raycoll.errors.SpawnError` is raised with the rank in its message and the rank's
+    exception as its cause. Actors reserve 1 CPU each unless ``actor_options`` says otherwise;
+    a request the cluster can never satisfy is refused at once.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if not ray.is_initialized():
+        ray.init()
+    options = dict(actor_options or {})
+    _check_feasible(world_size, options)
+    name = group_name or f"spawn-{uuid.uuid4().hex[:8]}"
+    seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+    actors = [_SpawnWorker.options(**options).remote() for _ in range(world_size)]
+    try:
+        return run_on(actors, fn, args, kwargs, group_name=name, backend=backend, timeout=seconds)
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+
+def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = (),
+           kwargs: Optional[dict] = None, *, group_name: str, backend: Optional[str] = None,
+           timeout: Any = None) -> List[Any]:
+    """Form ``group_name`` among ``actors`` (which must have a ``run(fn, rank, args, kwargs)``
+    method, like spawn's workers), run ``fn`` on each, destroy the group, return the results."""
+    seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+    create_group(actors, backend=backend, group_name=group_name, timeout=seconds)
+    try:
+        refs = [a.run.remote(fn, rank, args, kwargs or {}) for rank, a in enumerate(actors)]
+        return _collect(refs, group_name, seconds)
+    finally:
+        try:
+            destroy_group(group_name)
+        except Exception:  # noqa: BLE001 - teardown must not hide the real error
+            logger.exception("destroying group %r failed", group_name)
+
+
+def _collect(refs: List[Any], group_name: str, timeout_s: float) -> List[Any]:
+    """Wait for every rank; on the first failure abort the group, then raise it."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s + 60.0)
+        if not done:
+            raise errors.DistTimeoutError(f"spawn: ranks did not finish within {timeout_s:g}s",
+                                          group=group_name)
+        ref = done[0]
+        rank = refs.index(ref)
+        try:
+            ray.get(ref, timeout=_TEARDOWN_S)
+        except Exception as exc:  # noqa: BLE001 - re-raised below with the rank
+            _abort(group_name, f"rank {rank} raised {type(exc).__name__} in spawn")
+            cause = exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            message = f"spawn: rank {rank} failed: {type(cause).__name__}: {cause}"
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                message += f"\n{exc.traceback_str}" if getattr(exc, "traceback_str", "") else ""
+            raise errors.SpawnError(message, rank=rank) from cause
+    return ray.get(refs, timeout=_TEARDOWN_S)
+
+
+def _abort(group_name: str, reason: str) -> None:
+    with _lock:
+        entry = _groups.get(group_name)
+    if entry is not None and entry.spec.coordinator is not None:
+        entry.spec.coordinator.abort.remote(group_name, "aborted", reason, {})

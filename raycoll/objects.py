@@ -1,0 +1,69 @@
+"""Object collectives: Python objects travel through the Ray object store as they are.
+
+Each object is ``ray.put`` once by the rank that owns it (no pickling into byte tensors, as
+torch does); the references go through the coordinator and every reader ``ray.get``s only
+what it needs. An object that cannot be serialized is rejected on the calling rank, before
+anything is sent, and its peers are told.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import ray
+
+from raycoll import errors
+from raycoll.backends.base import Call, GroupContext
+
+__all__ = ["put", "all_gather", "broadcast", "gather", "scatter"]
+
+
+def put(obj: Any, name: str) -> "ray.ObjectRef":
+    """``ray.put(obj)``, with a clear ``TypeError`` naming ``name`` if it cannot be pickled."""
+    try:
+        return ray.put(obj)
+    except Exception as exc:  # noqa: BLE001 - Ray raises several types for pickling failures
+        raise TypeError(f"{name} cannot be serialized for the object store "
+                        f"({type(exc).__name__}: {exc})") from exc
+
+
+def _get(ctx: GroupContext, call: Call, ref: Any, src: int) -> Any:
+    who = ctx.global_ranks[src]
+    try:
+        return ray.get(ref, timeout=call.timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise errors.DistTimeoutError(
+            f"{call.op} #{call.seq} on group {ctx.group_name!r}: reading rank {who}'s object "
+            f"took longer than {call.timeout_s:g}s", missing=[who], **ctx.ctx(call)) from exc
+    except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError) as exc:
+        err = errors.RankFailedError(
+            f"{call.op} #{call.seq} on group {ctx.group_name!r}: rank {who}'s object is lost "
+            f"(its actor died)", failed_ranks=[who], **ctx.ctx(call))
+        ctx.fail(err)
+        raise err from exc
+
+
+def all_gather(ctx: GroupContext, call: Call, ref: Any, out: List[Any]) -> None:
+    got = ctx.exchange(call, 0, [ref] * ctx.size)
+    for s in range(ctx.size):
+        out[s] = _get(ctx, call, ref if s == ctx.rank else got[s], s)
+
+
+def broadcast(ctx: GroupContext, call: Call, ref: Any, root: int, out: List[Any]) -> None:
+    payload = [ref] * ctx.size if ctx.rank == root else None
+    got = ctx.exchange(call, 0, payload)
+    if ctx.rank != root:
+        out[:] = _get(ctx, call, got[root], root)
+
+
+def gather(ctx: GroupContext, call: Call, ref: Any, root: int, out: Optional[List[Any]]) -> None:
+    got = ctx.exchange(call, 0, [ref if j == root else None for j in range(ctx.size)])
+    if ctx.rank == root and out is not None:
+        for s in range(ctx.size):
+            out[s] = _get(ctx, call, got[s], s)
+
+
+def scatter(ctx: GroupContext, call: Call, refs: Optional[List[Any]], root: int,
+            out: List[Any]) -> None:
+    got = ctx.exchange(call, 0, refs)
+    out[0] = _get(ctx, call, got[root], root)

@@ -1,0 +1,260 @@
+"""Rank-side group management: ``init_process_group``, ``new_group``, rank queries.
+
+These run inside the ranks (Ray actors, or any Ray worker or driver that is a rank), as in
+``torch.distributed``. Ranks rendezvous by name through the group's coordinator, which the
+first rank to arrive starts; no driver help is needed. Groups formed from the driver with
+:func:`raycoll.create_group` appear here too, by name.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import ray
+
+from raycoll import errors
+from raycoll.coordinator import coordinator_name, start_coordinator
+from raycoll.group import (
+    DEFAULT_TIMEOUT_S,
+    NON_GROUP_MEMBER,
+    GroupLike,
+    GroupSpec,
+    ProcessGroup,
+    _NonMember,
+    join_root_group,
+    make_subgroup,
+    world,
+)
+from raycoll.work import to_seconds
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
+    "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
+    "get_process_group_ranks", "get_group",
+]
+
+
+def _int_arg(value: Any, name: str, env: str) -> int:
+    if value is None or value == -1:
+        text = os.environ.get(env)
+        if text is None:
+            raise ValueError(f"{name} is required (or set the {env} environment variable)")
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {env}={text!r} is not an int") from exc
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def init_process_group(
+    backend: Optional[str] = None,
+    init_method: Optional[str] = None,
+    timeout: Any = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "default",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> ProcessGroup:
+    """Join (and, if first, create) the group ``group_name`` as ``rank`` of ``world_size``.
+
+    Called by every rank, inside Ray actors (or tasks, or drivers) of one Ray job. Blocks until
+    all ``world_size`` ranks have joined or ``timeout`` (default 30 minutes) passes. The first
+    root group of a process becomes its default group (``group=None``). ``init_method`` may be
+    ``None`` or ``"env://"`` (then ``RANK`` and ``WORLD_SIZE`` come from the environment);
+    rendezvous itself always goes through Ray.
+    """
+    if init_method not in (None, "env://"):
+        raise ValueError(f"init_method={init_method!r} is not supported: raycoll rendezvous "
+                         "through Ray; pass None (or 'env://' to read RANK/WORLD_SIZE)")
+    if store is not None:
+        raise ValueError("store= is not supported: raycoll's coordinator actor is the store")
+    if not isinstance(group_name, str) or not group_name or "/" in group_name:
+        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
+    size = _int_arg(world_size, "world_size", "WORLD_SIZE")
+    me = _int_arg(rank, "rank", "RANK")
+    if size < 1:
+        raise ValueError(f"world_size must be >= 1, got {size}")
+    if not 0 <= me < size:
+        raise ValueError(f"rank={me} is out of range for world_size={size}")
+    seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+    from raycoll.backends import BackendConfig
+
+    BackendConfig(backend)  # reject a bad backend string before anything is sent
+    w = world()
+    with w.lock:
+        if group_name in w.groups:
+            raise ValueError(f"group {group_name!r} is already initialized in this process; "
+                             "destroy_process_group() it first")
+    if not ray.is_initialized():
+        ray.init()
+    job = ray.get_runtime_context().get_job_id()
+    handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
+                               get_if_exists=True)
+    spec = GroupSpec(group_name, size, backend, seconds, handle)
+    with w.lock:
+        make_default = w.default is None
+    return join_root_group(spec, me, make_default=make_default)
+
+
+def destroy_process_group(group: GroupLike = None) -> None:
+    """Destroy ``group`` (and its subgroups) in this process; ``None``: every group here."""
+    w = world()
+    if group is None:
+        with w.lock:
+            roots = [pg for pg in w.groups.values() if "/" not in pg.name]
+        for pg in roots:
+            _leave(pg)
+        return
+    if isinstance(group, _NonMember):
+        return
+    pg = group if isinstance(group, ProcessGroup) else w.resolve(group)
+    if isinstance(pg, ProcessGroup):
+        _leave(pg)
+
+
+def _leave(pg: ProcessGroup) -> None:
+    world().remove(pg.name, "destroy_process_group() was called")
+    if "/" not in pg.name:
+        try:
+            pg.context.client.submit("leave", pg.rank())
+        except Exception:  # noqa: BLE001 - the coordinator may already be gone
+            pass
+
+
+def is_initialized() -> bool:
+    """True when this process has a default group."""
+    return world().default is not None
+
+
+def get_group(name: str) -> ProcessGroup:
+    """The ``ProcessGroup`` named ``name`` in this process."""
+    pg = world().resolve(name)
+    if isinstance(pg, _NonMember):  # pragma: no cover - names never resolve to non-members
+        raise errors.GroupNotFoundError(f"this process is not a member of group {name!r}")
+    return pg
+
+
+def _member(group: GroupLike) -> Union[ProcessGroup, _NonMember]:
+    return world().resolve(group)
+
+
+def get_rank(group: GroupLike = None) -> int:
+    """This process's rank in ``group`` (-1 if it is not a member, as in torch)."""
+    pg = _member(group)
+    return -1 if isinstance(pg, _NonMember) else pg.rank()
+
+
+def get_world_size(group: GroupLike = None) -> int:
+    """The number of ranks in ``group`` (-1 if this process is not a member, as in torch)."""
+    pg = _member(group)
+    return -1 if isinstance(pg, _NonMember) else pg.size()
+
+
+def get_process_group_ranks(group: GroupLike) -> List[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    pg = _member(group)
+    if isinstance(pg, _NonMember):
+        raise ValueError("this process is not a member of the group")
+    return list(pg.global_ranks)
+
+
+def get_group_rank(group: GroupLike, global_rank: int) -> int:
+    """The group rank of ``global_rank`` in ``group``."""
+    pg = _member(group)
+    if isinstance(pg, _NonMember):
+        raise ValueError("this process is not a member of the group")
+    if global_rank not in pg.global_ranks:
+        raise ValueError(f"global rank {global_rank} is not part of group {pg.name!r} "
+                         f"(its global ranks: {list(pg.global_ranks)})")
+    return pg.global_ranks.index(global_rank)
+
+
+def get_global_rank(group: GroupLike, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``."""
+    pg = _member(group)
+    if isinstance(pg, _NonMember):
+        raise ValueError("this process is not a member of the group")
+    if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size():
+        raise ValueError(f"group_rank={group_rank!r} is out of range for group {pg.name!r} of "
+                         f"size {pg.size()}")
+    return pg.global_ranks[group_rank]
+
+
+def _default() -> ProcessGroup:
+    pg = world().resolve(None)
+    if not isinstance(pg, ProcessGroup):  # pragma: no cover - the default is always a member
+        raise errors.GroupNotFoundError("no default group")
+    return pg
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None, backend: Optional[str] = None,
+              pg_options: Any = None, use_local_synchronization: bool = False,
+              group_desc: Optional[str] = None, device_id: Any = None,
+              group: GroupLike = None) -> Union[ProcessGroup, _NonMember]:
+    """A subgroup of the default group (or of ``group``) with the given global ``ranks``.
+
+    As in torch, every rank of the parent should call it, in the same order as the other
+    ranks; ranks outside the subgroup get ``GroupMember.NON_GROUP_MEMBER``. No communication
+    is needed: members derive the same name and share the parent's coordinator.
+    """
+    parent = _default() if group is None else _member(group)
+    if isinstance(parent, _NonMember):
+        raise ValueError("new_group: this process is not a member of the parent group")
+    if ranks is None or len(ranks) == 0:
+        members = list(parent.global_ranks)
+    else:
+        members = []
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise TypeError(f"ranks must be ints, got {r!r}")
+            if r not in parent.global_ranks:
+                raise ValueError(f"rank {r} is not in the parent group {parent.name!r} "
+                                 f"(its ranks: {list(parent.global_ranks)})")
+            members.append(r)
+        if len(set(members)) != len(members):
+            raise ValueError(f"ranks must be unique, got {list(ranks)}")
+        members.sort()
+    seconds = to_seconds(timeout, None)
+    if backend is not None:
+        from raycoll.backends import BackendConfig
+
+        BackendConfig(backend)
+    return make_subgroup(parent, members, seconds, backend)
+
+
+def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, timeout: Any = None,
+                  backend: Optional[str] = None, pg_options: Any = None,
+                  group_desc: Optional[str] = None
+                  ) -> Tuple[Union[ProcessGroup, _NonMember], List[Union[ProcessGroup, _NonMember]]]:
+    """Split the parent group into equal subgroups of ``group_size`` consecutive ranks.
+
+    ``group_size=None`` groups the ranks that share this rank's node (count taken from the
+    coordinator's view). Returns ``(this rank's subgroup, all subgroups)``.
+    """
+    parent = _default() if group is None else _member(group)
+    if isinstance(parent, _NonMember):
+        raise ValueError("new_subgroups: this process is not a member of the parent group")
+    size = parent.size()
+    if group_size is None:
+        nodes = parent.context.node_ids
+        group_size = nodes.count(nodes[parent.rank()])
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if group_size > size or size % group_size:
+        raise ValueError(f"group_size={group_size} must divide the group size {size}")
+    ranks = list(parent.global_ranks)
+    subgroups = []
+    mine: Union[ProcessGroup, _NonMember] = NON_GROUP_MEMBER
+    me = parent.global_ranks[parent.rank()]
+    for start in range(0, size, group_size):
+        members = ranks[start:start + group_size]
+        sub = new_group(members, timeout=timeout, backend=backend, group=parent)
+        subgroups.append(sub)
+        if me in members:
+            mine = sub
+    return mine, subgroups

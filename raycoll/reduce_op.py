@@ -1,0 +1,152 @@
+"""``ReduceOp`` and how each op reduces numpy arrays (pure numpy, no Ray).
+
+The ops are those of ``torch.distributed.ReduceOp``. ``PREMUL_SUM`` is, as in c10d, a factory:
+``ReduceOp.PREMUL_SUM(factor)`` makes an op that sums ``factor * x`` over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["ReduceOp", "check_op_dtype", "combine", "finalize", "reduce_arrays"]
+
+
+class ReduceOp:
+    """A reduction operation for ``all_reduce``, ``reduce``, ``reduce_scatter``.
+
+    Compare with ``==``; ``ReduceOp.SUM``, ``ReduceOp.AVG``, ... are the instances to use.
+    """
+
+    SUM: ClassVar["ReduceOp"]
+    PRODUCT: ClassVar["ReduceOp"]
+    MIN: ClassVar["ReduceOp"]
+    MAX: ClassVar["ReduceOp"]
+    BAND: ClassVar["ReduceOp"]
+    BOR: ClassVar["ReduceOp"]
+    BXOR: ClassVar["ReduceOp"]
+    AVG: ClassVar["ReduceOp"]
+    PREMUL_SUM: ClassVar["_PremulSum"]
+
+    __slots__ = ("name", "factor")
+
+    def __init__(self, name: str, factor: Optional[float] = None) -> None:
+        self.name = name
+        self.factor = factor
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReduceOp):
+            return (self.name, self.factor) == (other.name, other.factor)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.factor))
+
+    def __repr__(self) -> str:
+        if self.factor is not None:
+            return f"ReduceOp.PREMUL_SUM({self.factor!r})"
+        return f"ReduceOp.{self.name}"
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (ReduceOp, (self.name, self.factor))
+
+    @property
+    def key(self) -> Tuple[str, Optional[float]]:
+        """A plain, picklable identity used in fingerprints."""
+        return (self.name, self.factor)
+
+
+class _PremulSum(ReduceOp):
+    """``ReduceOp.PREMUL_SUM``: call it with the factor to get a usable op."""
+
+    def __init__(self) -> None:
+        super().__init__("PREMUL_SUM", None)
+
+    def __call__(self, factor: Any) -> ReduceOp:
+        value = float(np.asarray(factor.item() if hasattr(factor, "item") else factor))
+        return ReduceOp("PREMUL_SUM", value)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (_PremulSum, ())
+
+
+ReduceOp.SUM = ReduceOp("SUM")
+ReduceOp.PRODUCT = ReduceOp("PRODUCT")
+ReduceOp.MIN = ReduceOp("MIN")
+ReduceOp.MAX = ReduceOp("MAX")
+ReduceOp.BAND = ReduceOp("BAND")
+ReduceOp.BOR = ReduceOp("BOR")
+ReduceOp.BXOR = ReduceOp("BXOR")
+ReduceOp.AVG = ReduceOp("AVG")
+ReduceOp.PREMUL_SUM = _PremulSum()
+
+_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
+
+_UFUNC = {
+    "SUM": np.add,
+    "AVG": np.add,
+    "PREMUL_SUM": np.add,
+    "PRODUCT": np.multiply,
+    "MIN": np.minimum,
+    "MAX": np.maximum,
+    "BAND": np.bitwise_and,
+    "BOR": np.bitwise_or,
+    "BXOR": np.bitwise_xor,
+}
+
+
+def as_reduce_op(op: Any) -> ReduceOp:
+    """Accept a ``ReduceOp``, a torch ``ReduceOp`` or its name; reject anything else."""
+    if isinstance(op, _PremulSum):
+        raise ValueError(
+            "op=ReduceOp.PREMUL_SUM needs a factor: pass ReduceOp.PREMUL_SUM(factor)"
+        )
+    if isinstance(op, ReduceOp):
+        return op
+    name = getattr(op, "name", op)
+    if isinstance(name, str) and name.upper() in _NAMES and name.upper() != "PREMUL_SUM":
+        return ReduceOp(name.upper())
+    raise TypeError(f"op must be a raycoll.ReduceOp (e.g. ReduceOp.SUM), got {op!r}")
+
+
+def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
+    """Raise ``TypeError`` if ``op`` is not defined on ``dtype``."""
+    kind = dtype.kind
+    if op.name in ("BAND", "BOR", "BXOR") and kind not in "biu":
+        raise TypeError(f"op={op!r} needs an integer or bool dtype, got {dtype}")
+    if op.name in ("MIN", "MAX") and kind == "c":
+        raise TypeError(f"op={op!r} is not defined on complex dtype {dtype}")
+    if op.name in ("AVG", "PREMUL_SUM") and kind == "b":
+        raise TypeError(f"op={op!r} is not defined on bool tensors")
+    if kind not in "biufc":
+        raise TypeError(f"cannot reduce dtype {dtype}: numeric or bool dtypes only")
+
+
+def combine(op: ReduceOp, out: np.ndarray, other: np.ndarray) -> None:
+    """``out = out (op) other``, in place, elementwise."""
+    _UFUNC[op.name](out, other, out=out)
+
+
+def finalize(op: ReduceOp, out: np.ndarray, world_size: int) -> None:
+    """Apply what an op does after the elementwise reduction (AVG's division, PREMUL's factor)."""
+    if op.name == "AVG" and world_size > 1:
+        if out.dtype.kind in "fc":
+            np.divide(out, world_size, out=out)
+        else:  # integer average truncates, as NCCL's ncclAvg does
+            np.copyto(out, np.trunc(out / world_size), casting="unsafe")
+    elif op.name == "PREMUL_SUM":
+        factor = op.factor if op.factor is not None else 1.0
+        if out.dtype.kind in "fc":
+            np.multiply(out, factor, out=out, casting="unsafe")
+        else:
+            np.copyto(out, out * factor, casting="unsafe")
+
+
+def reduce_arrays(op: ReduceOp, arrays: "list[np.ndarray]") -> np.ndarray:
+    """Reduce a list of same-shaped arrays into a new array (used for small inline payloads)."""
+    out = np.array(arrays[0], copy=True)
+    for a in arrays[1:]:
+        combine(op, out, a)
+    finalize(op, out, len(arrays))
+    return out

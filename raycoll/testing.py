@@ -1,0 +1,87 @@
+"""Helpers for testing code that uses raycoll, on a small real Ray (no mocks).
+
+``RankPool`` keeps a few idle actors and reuses them across tests: ``pool.run(fn, world_size,
+*args)`` forms a fresh group among the first ``world_size`` of them, runs ``fn(rank, *args)``
+on each rank, destroys the group and returns the results in rank order (a rank's exception is
+re-raised as :class:`raycoll.SpawnError`, after the others were released). Actors that died
+are replaced before the next run. ``local_ray`` starts a small local Ray if none is running.
+
+With pytest::
+
+    @pytest.fixture(scope="session")
+    def ranks():
+        raycoll.testing.local_ray(num_cpus=4)
+        with raycoll.testing.RankPool(max_world_size=4) as pool:
+            yield pool
+
+    def test_sum(ranks):
+        assert ranks.run(lambda rank: ..., 2) == [...]
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+import ray
+
+from raycoll.launch import RankWorker, run_on
+
+__all__ = ["RankPool", "local_ray"]
+
+_Worker = ray.remote(RankWorker)
+
+
+def local_ray(num_cpus: int = 4, **kwargs: Any) -> None:
+    """Start a small local Ray for tests, unless Ray is already initialized."""
+    if not ray.is_initialized():
+        kwargs.setdefault("include_dashboard", False)
+        kwargs.setdefault("log_to_driver", True)
+        ray.init(num_cpus=num_cpus, **kwargs)
+
+
+class RankPool:
+    """Reusable rank actors for fast tests (zero-CPU actors by default)."""
+
+    def __init__(self, max_world_size: int = 4,
+                 actor_options: Optional[Dict[str, Any]] = None) -> None:
+        self._options = dict(actor_options or {"num_cpus": 0})
+        self._actors: List[Any] = [self._new() for _ in range(max_world_size)]
+
+    def _new(self) -> Any:
+        return _Worker.options(**self._options).remote()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    @property
+    def max_world_size(self) -> int:
+        return len(self._actors)
+
+    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = None,
+            timeout: float = 60.0, **kwargs: Any) -> List[Any]:
+        """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` pooled actors as one group."""
+        if not 1 <= world_size <= len(self._actors):
+            raise ValueError(f"world_size must be in 1..{len(self._actors)}, got {world_size}")
+        self._replace_dead()
+        name = f"test-{uuid.uuid4().hex[:8]}"
+        return run_on(self._actors[:world_size], fn, args, kwargs, group_name=name,
+                      backend=backend, timeout=timeout)
+
+    def _replace_dead(self) -> None:
+        refs = [a.__ray_ready__.remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0 if ref in ready else 5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(self._actors[i], no_restart=True)
+                self._actors[i] = self._new()
+
+    def close(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors = []

@@ -1,0 +1,37 @@
+"""Test fixtures: one real local Ray per session, a pool of reusable rank actors.
+
+Tests marked ``cluster`` start their own multi-node Ray (``ray.cluster_utils.Cluster``); they
+are moved to the end of the run, where the session's local Ray is shut down for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+import raycoll.testing
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
+    items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray with 4 logical CPUs on this 2-core machine."""
+    raycoll.testing.local_ray(num_cpus=4)
+    yield
+    # cluster tests (sorted last) shut it down themselves
+
+
+@pytest.fixture(scope="session")
+def ranks(ray_local):
+    """Reusable rank actors: ``ranks.run(fn, world_size, *args)``."""
+    pool = raycoll.testing.RankPool(max_world_size=4)
+    yield pool
+    if ray.is_initialized():
+        pool.close()

@@ -1,0 +1,240 @@
+"""End to end: `ray job submit` of examples/job_allreduce.py to a real Ray head node.
+
+The head is started by `ray start --head --block` in a subprocess, on loopback, with its own
+temp dir, its own ports and its own auth token, so that it lives beside any local Ray that
+other test modules start with `ray.init()` in the same session:
+
+* `--temp-dir` puts this head's `ray_current_cluster` file in that temp dir, not in
+  /tmp/ray, so a later `ray.init()` (address=None) does not connect to this head; nothing
+  here sets RAY_ADDRESS in the pytest process.
+* Every port is given explicitly (free ports picked just before the start), so nothing
+  collides with a `ray.init()` instance's defaults (dashboard 8265, agent 52365, client 10001).
+* Token auth (the default in this Ray) uses a per-test token passed as RAY_AUTH_TOKEN to the
+  head and to the `ray job` CLI subprocesses only: ~/.ray/auth_token and the pytest
+  process's own environment are left alone.
+* Teardown never runs `ray stop` (it kills every Ray process on the machine, including the
+  session's `ray.init()` instance). `ray start --block` owns the node: SIGTERM makes it kill
+  every process it started. Anything that outlives it among the processes recorded under it
+  (raylet's workers, the job's driver) is then SIGKILLed by pid.
+"""
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = "examples/job_allreduce.py"
+OK_LINE = "raycoll job OK: world_size=2"
+# Kept out of the working_dir upload (.gitignore is honoured by Ray as well).
+UPLOAD_EXCLUDES = [".git", "**/__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
+                   "build", "dist", ".venv", ".device", ".whl"]
+
+START_TIMEOUT_S = 90
+JOB_TIMEOUT_S = 150
+CLI_TIMEOUT_S = 60
+
+
+def _ray_cli():
+    return [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _free_ports(n):
+    socks = []
+    try:
+        for _ in range(n):  # hold them all open so that the n ports are distinct
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent():
+    """In the `ray start` child: get SIGTERM if pytest dies, so the head is not orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+@dataclass
+class HeadNode:
+    dashboard_url: str
+    token: str = field(repr=False)
+    env: dict = field(repr=False)  # environment for `ray job ...` CLI calls against this head
+    temp_dir: str
+    log_path: str
+    proc: subprocess.Popen = field(repr=False)
+
+    def log_tail(self, n=40):
+        with contextlib.suppress(OSError):
+            return "".join(Path(self.log_path).read_text(errors="replace").splitlines(True)[-n:])
+        return ""
+
+    def api(self, path, timeout=10):
+        """GET a dashboard REST endpoint (JSON), with this head's token."""
+        req = urllib.request.Request(self.dashboard_url + path,
+                                     headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def cli(self, *args, timeout=CLI_TIMEOUT_S):
+        return subprocess.run([*_ray_cli(), *args], env=self.env, cwd=self.temp_dir,
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_dashboard(head, deadline):
+    while True:
+        if head.proc.poll() is not None:
+            raise RuntimeError(f"`ray start` exited with {head.proc.returncode}:\n{head.log_tail()}")
+        with contextlib.suppress(OSError, ValueError):  # URLError is an OSError
+            head.api("/api/version", timeout=5)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"dashboard not up after {START_TIMEOUT_S}s:\n{head.log_tail()}")
+        time.sleep(0.5)
+
+
+def _proc_stat(pid):
+    """(ppid, start time) of a live process, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":  # a zombie has exited; its parent reaps it
+        return None
+    return int(fields[1]), fields[19]
+
+
+def _descendants(root):
+    """{pid: start time} of every process below `root` (Linux /proc; no psutil needed)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st:
+                children.setdefault(st[0], []).append((int(entry), st[1]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            found[pid] = start
+            todo.append(pid)
+    return found
+
+
+def _alive(procs):
+    return {pid: start for pid, start in procs.items() if (_proc_stat(pid) or (0, None))[1] == start}
+
+
+def _stop_head(head):
+    """Stop exactly this head: SIGTERM `ray start --block`, then SIGKILL leftovers by pid."""
+    procs = _descendants(head.proc.pid)  # raylet's workers and the job's driver included
+    if head.proc.poll() is None:
+        head.proc.send_signal(signal.SIGTERM)
+        try:
+            head.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            head.proc.kill()
+            head.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in _alive(procs):  # start time checked, so a reused pid is never hit
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return procs
+
+
+@contextlib.contextmanager
+def ray_head_node(num_cpus=2):
+    # A short path: Ray's unix sockets live under <temp_dir>/session_*/sockets (108-byte limit).
+    temp_dir = tempfile.mkdtemp(prefix="rcjob")
+    token = secrets.token_hex(32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER"))}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0",
+               RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")  # SIGTERM: no 30 s drain wait
+    gcs, dash, client, agent, agent_grpc, rt_env, metrics = _free_ports(7)
+    cmd = [*_ray_cli(), "start", "--head", "--block", "--disable-usage-stats",
+           f"--port={gcs}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+           f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--runtime-env-agent-port={rt_env}", f"--metrics-export-port={metrics}"]
+    log_path = os.path.join(temp_dir, "ray_start.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    head = HeadNode(f"http://127.0.0.1:{dash}", token, env, temp_dir, log_path, proc)
+    try:
+        _wait_dashboard(head, time.monotonic() + START_TIMEOUT_S)
+        yield head
+    finally:
+        _stop_head(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def submit_and_wait(head, working_dir, entrypoint, excludes=(), timeout=JOB_TIMEOUT_S):
+    """`ray job submit` (it uploads working_dir, waits and streams the logs).
+
+    Returns (job status, job logs, the CLI's output); the status and logs come from the
+    job server's REST API, not from the CLI's output.
+    """
+    sub_id = f"raycoll-test-{uuid.uuid4().hex[:8]}"
+    args = ["job", "submit", "--address", head.dashboard_url, "--submission-id", sub_id,
+            "--working-dir", str(working_dir)]
+    if excludes:
+        args += ["--runtime-env-json", json.dumps({"excludes": list(excludes)})]
+    try:
+        submit = head.cli(*args, "--", *entrypoint, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        with contextlib.suppress(Exception):
+            head.cli("job", "stop", "--address", head.dashboard_url, "--no-wait", sub_id)
+        logs = ""
+        with contextlib.suppress(Exception):
+            logs = head.api(f"/api/jobs/{sub_id}/logs")["logs"]
+        pytest.fail(f"job {sub_id} did not finish within {timeout}s\n{e.stdout}\n"
+                    f"--- job logs ---\n{logs}")
+    out = submit.stdout + submit.stderr
+    try:
+        status = head.api(f"/api/jobs/{sub_id}")["status"]
+    except Exception as e:
+        pytest.fail(f"no status for job {sub_id} ({e!r}); `ray job submit` said:\n{out}")
+    logs = head.api(f"/api/jobs/{sub_id}/logs")["logs"]
+    return status, logs, out
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    with ray_head_node() as head:
+        yield head
+
+
+@pytest.mark.timeout(240)
+def test_job_submit_example(ray_head):
+    t0 = time.monotonic()
+    status, logs, out = submit_and_wait(ray_head, REPO, ["python", EXAMPLE], excludes=UPLOAD_EXCLUDES)
+    detail = f"--- status ---\n{status}\n--- job logs ---\n{logs}\n--- submit output ---\n{out}"
+    assert status == "SUCCEEDED", detail
+    assert OK_LINE in logs, detail
+    print(f"job finished in {time.monotonic() - t0:.1f}s")
