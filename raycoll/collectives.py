@@ -419,7 +419,7 @@ def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: in
         def post() -> Any:
             return backend.send(tensor, gp, int(tag), timeout)
     describe_ = f"{op} on group {pg.name!r}"
-    return pg.run_p2p(post, async_op, describe_, [tensor])
+    return pg.run_p2p(post, async_op, describe_, [tensor], op=op)
 
 
 def send(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,

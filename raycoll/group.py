@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from raycoll import errors
+from raycoll import debug, errors
 from raycoll.backends import BackendConfig
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
@@ -119,7 +118,7 @@ class ProcessGroup:
         self._broken: Optional[BaseException] = None
         self._destroyed: Optional[str] = None
         self._subgroup_calls: Dict[tuple, int] = defaultdict(int)
-        self._debug = os.environ.get("RAYCOLL_DEBUG", "") not in ("", "0")
+        self._debug = debug.debug_enabled()  # RAYCOLL_DEBUG: trace every operation
         self.context = GroupContext(
             group_name=name,
             rank=rank,
@@ -208,27 +207,42 @@ class ProcessGroup:
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:
         """Run ``fn`` for ``call`` in issue order; a ``Work`` when ``async_op``."""
+        nbytes = debug.message_bytes(outputs) if self._debug else None
         if not async_op:
             with self._lock:
                 idle = self._outstanding == 0
             if idle:
-                self._execute(call, fn)
+                self._execute(call, fn, nbytes)
             else:
-                self._submit(call, fn).result()
+                self._submit(call, fn, nbytes).result()
             return None
-        future = self._submit(call, fn)
+        future = self._submit(call, fn, nbytes)
         return Work(future, describe=f"{call.op} #{call.seq} on group {self._name!r}",
                     on_timeout=lambda s: self._work_timed_out(call, s), outputs=outputs)
 
     def run_p2p(self, post: Callable[[], Completion], async_op: bool, describe: str,
-                outputs: Optional[List[Any]] = None) -> Union[Work, Optional[int]]:
+                outputs: Optional[List[Any]] = None,
+                op: str = "p2p") -> Union[Work, Optional[int]]:
         """Post a send/recv now; wait for it now, or return a ``Work``."""
         self.check_usable()
+        start = time.perf_counter()
         completion = post()
 
         def finish() -> Optional[int]:
-            source = completion()
-            return self._global_ranks[source] if source is not None else None
+            if not self._debug:
+                source = completion()
+                return self._global_ranks[source] if source is not None else None
+            error: Optional[BaseException] = None
+            try:
+                source = completion()
+                return self._global_ranks[source] if source is not None else None
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                debug.trace(rank=self.global_ranks[self._rank], group=self._name, op=op,
+                            seq=None, nbytes=debug.message_bytes(outputs),
+                            seconds=time.perf_counter() - start, error=error)
 
         if not async_op:
             return finish()
@@ -238,14 +252,15 @@ class ProcessGroup:
                     max_workers=4, thread_name_prefix=f"raycoll-p2p-{self._name}")
         return Work(self._p2p_pool.submit(finish), describe=describe, outputs=outputs)
 
-    def _submit(self, call: Call, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+    def _submit(self, call: Call, fn: Callable[[], Any],
+                nbytes: Optional[int] = None) -> "concurrent.futures.Future[Any]":
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"raycoll-{self._name}")
             self._outstanding += 1
         try:
-            future = self._executor.submit(self._execute, call, fn)
+            future = self._executor.submit(self._execute, call, fn, nbytes)
         except RuntimeError:
             with self._lock:
                 self._outstanding -= 1
@@ -258,20 +273,33 @@ class ProcessGroup:
         with self._lock:
             self._outstanding -= 1
 
-    def _execute(self, call: Call, fn: Callable[[], Any]) -> Any:
+    def _execute(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None) -> Any:
         self.check_usable()
-        start = time.perf_counter()
+        if self._debug:
+            return self._execute_traced(call, fn, nbytes)
         try:
             return fn()
         except (errors.GroupBrokenError, errors.DistTimeoutError) as exc:
             if self._broken is None:
                 self._broken = exc
             raise
+
+    def _execute_traced(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int]) -> Any:
+        """``_execute`` with the ``RAYCOLL_DEBUG`` trace record (see :mod:`raycoll.debug`)."""
+        start = time.perf_counter()
+        error: Optional[BaseException] = None
+        try:
+            return fn()
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, (errors.GroupBrokenError, errors.DistTimeoutError)) \
+                    and self._broken is None:
+                self._broken = exc
+            raise
         finally:
-            if self._debug:
-                logger.debug("rank=%d group=%s op=%s seq=%d took %.3f ms",
-                             self.global_ranks[self._rank], self._name, call.op, call.seq,
-                             (time.perf_counter() - start) * 1e3)
+            debug.trace(rank=self.global_ranks[self._rank], group=self._name, op=call.op,
+                        seq=call.seq, nbytes=nbytes, seconds=time.perf_counter() - start,
+                        error=error)
 
     def _on_backend_failure(self, exc: BaseException) -> None:
         if self._broken is None:
