@@ -141,10 +141,12 @@ class ProcessGroup:
 
     @property
     def group_name(self) -> str:
+        """The group's name (subgroups: ``root/ranks#n``)."""
         return self._name
 
     @property
     def name(self) -> str:
+        """The same as :attr:`group_name`."""
         return self._name
 
     @property
@@ -154,14 +156,17 @@ class ProcessGroup:
 
     @property
     def timeout_s(self) -> float:
+        """The group's collective timeout, in seconds."""
         return self._timeout_s
 
     @property
     def backend_config(self) -> BackendConfig:
+        """The group's device -> backend map."""
         return self._config
 
     @property
     def root_name(self) -> str:
+        """The name of the root group this (sub)group belongs to."""
         return self._root.name
 
     def __repr__(self) -> str:
@@ -177,6 +182,7 @@ class ProcessGroup:
         return backend
 
     def check_usable(self) -> None:
+        """Raise ``GroupDestroyedError`` / ``GroupBrokenError`` if the group is unusable."""
         if self._destroyed is not None:
             raise errors.GroupDestroyedError(
                 f"group {self._name!r} was destroyed ({self._destroyed}); form it again to use it"
@@ -196,6 +202,7 @@ class ProcessGroup:
         return Call(op, seq, self._timeout_s, dict(fp or {}, op=op))
 
     def with_fingerprint(self, call: Call, **fp: Any) -> Call:
+        """``call`` with its fingerprint (compared across ranks) set to ``fp``."""
         return Call(call.op, call.seq, call.timeout_s, dict(fp, op=call.op))
 
     def reject(self, call: Call, exc: BaseException) -> None:

@@ -41,6 +41,7 @@ class Future:
         self._inner: "concurrent.futures.Future[Any]" = inner or concurrent.futures.Future()
 
     def done(self) -> bool:
+        """True once the result or the exception is set."""
         return self._inner.done()
 
     def wait(self, timeout: Timeout = None) -> Any:
@@ -54,12 +55,15 @@ class Future:
         return self._inner.result()
 
     def set_result(self, result: Any) -> None:
+        """Complete the future with ``result``."""
         self._inner.set_result(result)
 
     def set_exception(self, exc: BaseException) -> None:
+        """Complete the future with the exception ``exc``."""
         self._inner.set_exception(exc)
 
     def add_done_callback(self, callback: Callable[["Future"], None]) -> None:
+        """Call ``callback(future)`` once it completes (at once if it has)."""
         self._inner.add_done_callback(lambda _f: callback(self))
 
     def then(self, callback: Callable[["Future"], Any]) -> "Future":
@@ -112,9 +116,11 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """True once the operation has finished, successfully or not (never blocks)."""
         return self._inner.done()
 
     def is_success(self) -> bool:
+        """True if the operation has finished without an error (never blocks)."""
         return self._inner.done() and self._inner.exception() is None
 
     def exception(self) -> Optional[BaseException]:
@@ -150,10 +156,12 @@ class Work:
         return value
 
     def synchronize(self) -> None:
+        """Wait for the operation, like :meth:`wait` (torch's name for CUDA streams)."""
         self.wait()
 
     @staticmethod
     def completed(value: Any = None, describe: str = "completed", outputs: Optional[List[Any]] = None) -> "Work":
+        """A ``Work`` that has already finished with ``value``."""
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
         fut.set_result(value)
         return Work(fut, describe=describe, outputs=outputs)

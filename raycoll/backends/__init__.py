@@ -142,6 +142,7 @@ class BackendConfig:
         self.device_backend_map = mapping
 
     def get_device_backend_map(self) -> Dict[str, str]:
+        """The device -> backend name map, e.g. ``{"cpu": "objstore", "cuda": "nccl"}``."""
         return dict(self.device_backend_map)
 
     def __repr__(self) -> str:
