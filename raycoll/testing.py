@@ -6,16 +6,23 @@ on each rank, destroys the group and returns the results in rank order (a rank's
 re-raised as :class:`raycoll.SpawnError`, after the others were released). Actors that died
 are replaced before the next run. ``local_ray`` starts a small local Ray if none is running.
 
-With pytest::
+With pytest, the ``raycoll`` plugin (:mod:`raycoll.pytest_plugin`, installed with raycoll and
+loaded automatically) gives these as fixtures::
+
+    def test_sum(raycoll_ranks):
+        def fn(rank):
+            t = np.ones(3)
+            raycoll.all_reduce(t)
+            return t.tolist()
+        assert raycoll_ranks.run(fn, 2) == [[2.0] * 3] * 2
+
+or, by hand::
 
     @pytest.fixture(scope="session")
     def ranks():
         raycoll.testing.local_ray(num_cpus=4)
         with raycoll.testing.RankPool(max_world_size=4) as pool:
             yield pool
-
-    def test_sum(ranks):
-        assert ranks.run(lambda rank: ..., 2) == [...]
 """
 
 from __future__ import annotations
@@ -32,16 +39,33 @@ __all__ = ["RankPool", "local_ray"]
 _Worker = ray.remote(RankWorker)
 
 
-def local_ray(num_cpus: int = 4, **kwargs: Any) -> None:
-    """Start a small local Ray for tests, unless Ray is already initialized."""
-    if not ray.is_initialized():
-        kwargs.setdefault("include_dashboard", False)
-        kwargs.setdefault("log_to_driver", True)
-        ray.init(num_cpus=num_cpus, **kwargs)
+def local_ray(num_cpus: int = 4, **kwargs: Any) -> bool:
+    """Start a small local Ray for tests, unless Ray is already initialized.
+
+    The new instance is always a fresh local one (``address="local"``), even when a Ray
+    started by ``ray start`` runs on this machine or ``RAY_ADDRESS`` is set; pass ``address``
+    to connect elsewhere. ``kwargs`` go to ``ray.init``. Returns True if it started Ray (the
+    caller then owns it and may ``ray.shutdown()`` it), False if Ray was already running.
+    """
+    if ray.is_initialized():
+        return False
+    kwargs.setdefault("address", "local")
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", True)
+    if kwargs["address"] == "local":
+        kwargs["num_cpus"] = num_cpus
+    ray.init(**kwargs)
+    return True
 
 
 class RankPool:
-    """Reusable rank actors for fast tests (zero-CPU actors by default)."""
+    """Reusable rank actors for fast tests (zero-CPU actors by default).
+
+    ``RankPool(max_world_size=4, actor_options=None)`` starts ``max_world_size`` actors at
+    once (``actor_options`` go to ``.options()``, default ``{"num_cpus": 0}``); use it as a
+    context manager or call :meth:`close`. Functions passed to :meth:`run` travel to the
+    actors by pickle (cloudpickle), so define them at module level or inline.
+    """
 
     def __init__(self, max_world_size: int = 4,
                  actor_options: Optional[Dict[str, Any]] = None) -> None:
@@ -59,11 +83,19 @@ class RankPool:
 
     @property
     def max_world_size(self) -> int:
+        """The number of actors in the pool: the largest ``world_size`` :meth:`run` takes."""
         return len(self._actors)
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = None,
             timeout: float = 60.0, **kwargs: Any) -> List[Any]:
-        """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` pooled actors as one group."""
+        """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` pooled actors as one group.
+
+        The group is fresh (a unique name, the default group inside the actors while ``fn``
+        runs) and destroyed afterwards, so runs do not see each other's groups. Returns the
+        results in rank order; a rank's exception is raised as :class:`raycoll.SpawnError`
+        naming the rank, with the original as its cause. ``timeout`` (seconds) bounds the
+        group's collectives and the wait for the results.
+        """
         if not 1 <= world_size <= len(self._actors):
             raise ValueError(f"world_size must be in 1..{len(self._actors)}, got {world_size}")
         self._replace_dead()
@@ -82,6 +114,7 @@ class RankPool:
                 self._actors[i] = self._new()
 
     def close(self) -> None:
+        """Kill the pool's actors (the pool cannot run anything afterwards)."""
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
