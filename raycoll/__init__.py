@@ -55,7 +55,9 @@ from raycoll.errors import (
     RankFailedError,
     SpawnError,
 )
+from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
+from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
 from raycoll.process_groups import (
     destroy_process_group,
@@ -88,6 +90,8 @@ __all__ = [
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
+    # uneven inputs
+    "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
     "create_group", "destroy_group", "spawn", "group_status",
     # errors

@@ -115,6 +115,10 @@ class Coordinator:
         self._current: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
         self._mail: Dict[Tuple[str, int], Deque[_Message]] = defaultdict(deque)
         self._waiting: Dict[Tuple[str, int], List[_Receiver]] = defaultdict(list)
+        # Join state (see the "join" section): group rank -> seq of the round it joined in,
+        # for the Join context in progress; and how the last finished one ended.
+        self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
+        self._join_done: Dict[str, Dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ rendezvous
     async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
@@ -165,6 +169,8 @@ class Coordinator:
             self._broken.clear()
             self._last.clear()
             self._current.clear()
+            self._joins.clear()
+            self._join_done.clear()
             self._reset.set()
         return _ok()
 
@@ -284,8 +290,79 @@ class Coordinator:
             }
             if key in self._broken:
                 out[key]["broken"] = self._broken[key][2]
+            self._join_status(key, out[key])
         return _ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})
+
+    # ------------------------------------------------------------------ join (uneven inputs)
+    # raycoll.Join runs one "join round" per iteration on its group: ranks still processing
+    # inputs arrive from Join.notify_join_context with join_seq=None; ranks that have joined
+    # arrive from Join.__exit__ with the sequence number of the round in which they joined.
+    # A join round is an ordinary exchange round (op "join"), so fingerprints, timeouts that
+    # name the missing ranks, aborts and group_status work as for any collective. Each rank's
+    # answer is computed from what every rank sent in that very round; the state kept here
+    # (who has joined, in what order) only feeds group_status and can never make ranks disagree.
+
+    async def join_round(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int,
+                         join_seq: Optional[int], throw_on_early_termination: bool,
+                         timeout_s: float) -> Result:
+        """One iteration of a Join context on group ``key``, arriving as group rank ``rank``.
+
+        Returns ``{"nonjoined": [...], "join_order": [...], "all_joined": bool,
+        "is_last_joiner": bool}`` (global ranks; ``join_order`` sorted by the round each
+        joined in, then by rank). When no rank is left with inputs, the joined ranks run their
+        post-hooks; otherwise they run one shadow round (their main hooks), or, with
+        ``throw_on_early_termination``, every rank raises.
+        """
+        joined = self._joins[key]
+        if join_seq is None:
+            joined.pop(rank, None)
+        else:
+            joined[rank] = join_seq
+        size = len(ranks)
+        fp = {"op": "join", "throw_on_early_termination": bool(throw_on_early_termination)}
+        result = await self.exchange(key, ranks, seq, 0, rank, fp, None, None, [join_seq] * size,
+                                     "route", None, timeout_s)
+        if result[0] != "ok":
+            return result
+        seqs: List[Optional[int]] = result[1]
+        nonjoined = [ranks[r] for r in range(size) if seqs[r] is None]
+        order = sorted((s, r) for r, s in enumerate(seqs) if s is not None)
+        last_seq = order[-1][0] if order else None
+        if not nonjoined or (throw_on_early_termination and order):
+            self._end_join(key, ranks, seq, order, terminated=bool(nonjoined))
+        return _ok({
+            "nonjoined": nonjoined,
+            "join_order": [ranks[r] for _s, r in order],
+            "all_joined": not nonjoined,
+            "is_last_joiner": not nonjoined and join_seq is not None and join_seq == last_seq,
+        })
+
+    def _end_join(self, key: str, ranks: Tuple[int, ...], seq: int,
+                  order: List[Tuple[int, int]], terminated: bool) -> None:
+        """The Join context whose final round is ``seq`` is over: keep its summary."""
+        last_seq = order[-1][0] if order else None
+        self._join_done[key] = {
+            "join_order": [ranks[r] for _s, r in order],
+            "last_joiners": [ranks[r] for s, r in order if s == last_seq],
+            "final_seq": seq,
+            "terminated_early": terminated,
+        }
+        joined = self._joins[key]
+        for r in [r for r, s in joined.items() if s <= seq]:  # never a later context's entry
+            del joined[r]
+
+    def _join_status(self, key: str, out: Dict[Any, Any]) -> None:
+        """Add the Join state of group ``key`` to its entry of :meth:`status`."""
+        ranks = self._groups.get(key, ())
+        joined = self._joins.get(key, {})
+        for r, g in enumerate(ranks):
+            if isinstance(out.get(g), dict):
+                out[g]["joined"] = r in joined
+        out["join"] = {
+            "joined": [ranks[r] for _s, r in sorted((s, r) for r, s in joined.items())],
+            "last": self._join_done.get(key),
+        }
 
     # ------------------------------------------------------------------ point to point
     async def p2p_send(self, key: str, src: int, dst: int, tag: int, meta: Any, payload: Any,

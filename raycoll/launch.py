@@ -149,14 +149,98 @@ def destroy_group(group_name: str = "default") -> None:
 
 
 def group_status(group_name: str = "default") -> Dict[str, Any]:
-    """What the coordinator of a driver-created group knows: each rank's last collective."""
+    """Where every rank of a group is, from its coordinator: for a notebook or a hung job.
+
+    Works for groups made with :func:`create_group` or :func:`spawn` from this process, for
+    groups this process is a rank of, and, by name, for groups the ranks formed themselves
+    with ``init_process_group`` in this Ray job. A subgroup's name (``"dp/0-1#0"``) gives
+    that subgroup's view. Returns::
+
+        {
+          "group": "dp", "world_size": 4, "generation": 0,
+          "broken": None,            # or the error that broke the group
+          "ranks": {                 # by global rank
+            0: {"last_collective": ("all_reduce", 12), "waiting": True, "joined": False},
+            3: {"last_collective": ("join", 12), "waiting": True, "joined": True},
+            ...                      # last_collective is None before the first collective
+          },
+          "joined": [3],             # ranks that joined the Join in progress, in join order
+          "last_join": None,         # or {"join_order", "last_joiners", "final_seq",
+                                     #      "terminated_early"} of the last finished Join
+          "subgroups": {name: {"ranks", "joined", "last_join", "broken"}},
+          "summary": "rank 0: waiting in all_reduce #12\n...",
+        }
+
+    ``waiting`` means the rank has arrived at ``last_collective`` and it has not completed
+    (others are missing); a joined rank shadows the others' collectives until all have
+    joined.
+    """
+    root = group_name.split("/", 1)[0]
+    raw = _status_client(root).call("status", timeout_s=_TEARDOWN_S, op="group_status",
+                                    group=root)
+    groups = raw.get("groups", {})
+    view = _group_view(group_name, groups.get(group_name, {}),
+                       range(raw["world_size"]) if group_name == root else ())
+    out: Dict[str, Any] = {"group": group_name, "world_size": len(view["ranks"]),
+                           "generation": raw.get("generation"), **view}
+    if group_name == root:
+        out["subgroups"] = {k: _group_view(k, v, ()) for k, v in groups.items()
+                            if k.startswith(root + "/")}
+    out["summary"] = _summary(out)
+    return out
+
+
+def _status_client(root: str) -> CoordinatorClient:
+    """The coordinator of root group ``root``: created here, joined here, or found by name."""
     with _lock:
-        entry = _groups.get(group_name)
-    if entry is None or entry.spec.coordinator is None:
-        raise ValueError(f"no group {group_name!r} was created from this process; "
-                         f"groups: {sorted(_groups)}")
-    client = CoordinatorClient(entry.spec.coordinator, group_name)
-    return client.call("status", timeout_s=_TEARDOWN_S, op="group_status")
+        entry = _groups.get(root)
+    if entry is not None and entry.spec.coordinator is not None:
+        return CoordinatorClient(entry.spec.coordinator, root)
+    with world().lock:
+        pg = world().groups.get(root)
+    if pg is not None:
+        return pg.context.client
+    if ray.is_initialized():
+        job = ray.get_runtime_context().get_job_id()
+        try:
+            return CoordinatorClient(ray.get_actor(coordinator_name(job, root)), root)
+        except ValueError:
+            pass
+    with _lock:
+        known = sorted(_groups)
+    raise ValueError(f"group_name={root!r}: no such group in this Ray job (none was created "
+                     f"from this process under that name, this process is not one of its "
+                     f"ranks, and no coordinator of that name is running); groups created "
+                     f"here: {known}")
+
+
+def _group_view(name: str, raw: Dict[Any, Any], all_ranks: Any) -> Dict[str, Any]:
+    """The friendly per-rank view of one group's entry of ``Coordinator.status``."""
+    ranks: Dict[int, Dict[str, Any]] = {}
+    for g in sorted(set(all_ranks) | {k for k in raw if isinstance(k, int)}):
+        info = raw.get(g, {})
+        current, done = info.get("current"), info.get("last_completed")
+        last = current or done
+        ranks[g] = {"last_collective": tuple(last) if last else None,
+                    "waiting": current is not None and current != done,
+                    "joined": bool(info.get("joined", False))}
+    join = raw.get("join") or {}
+    return {"ranks": ranks, "joined": list(join.get("joined", [])),
+            "last_join": join.get("last"), "broken": raw.get("broken")}
+
+
+def _summary(status: Dict[str, Any]) -> str:
+    lines = [f"group {status['group']!r}: {status['world_size']} ranks"
+             + (f", BROKEN: {status['broken']}" if status.get("broken") else "")]
+    for g, info in status["ranks"].items():
+        last = info["last_collective"]
+        if last is None:
+            where = "no collective yet"
+        else:
+            where = f"{'waiting in' if info['waiting'] else 'done with'} {last[0]} #{last[1]}"
+        lines.append(f"rank {g}: {where}" + (" (joined: shadowing the others)"
+                                             if info["joined"] else ""))
+    return "\n".join(lines)
 
 
 class RankWorker:
