@@ -13,11 +13,17 @@ import ray
 
 import raycoll.testing
 
+import helpers  # noqa: E402 - tests/ is on sys.path under pytest
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
     items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+    # Test modules are not importable inside Ray workers: ship their functions by value.
+    modules = {item.module for item in items if getattr(item, "module", None) is not None}
+    for module in modules | {helpers}:
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 @pytest.fixture(scope="session")
