@@ -3,10 +3,10 @@
 Launcher YAMLs go through what `ray up` runs before it touches a cloud:
 `prepare_config` (merge the provider's defaults; for `local`, derive the node types from the
 IPs) and then `validate_config` (Ray's JSON schema `ray/autoscaler/ray-schema.json` plus its
-cross-field checks); the file as written is also checked against that schema. For `local` the whole `ray up` bootstrap runs (it needs no cloud); for AWS
-the rest needs credentials, so the EC2 `node_config`s are checked against botocore's
-RunInstances request model instead. Each validator is also shown to reject a broken config.
-The RayJob manifest is checked structurally.
+cross-field checks); the file as written is also checked against that schema. For `local` the
+whole `ray up` bootstrap runs (it needs no cloud); for AWS the rest needs credentials, so the EC2
+`node_config`s are checked against botocore's RunInstances request model instead. Each validator
+is also shown to reject broken configs. The RayJob manifest is checked structurally.
 """
 
 import copy
@@ -187,8 +187,10 @@ def rayjob_problems(doc):
             elif image.startswith("rayproject/") and f":{version}" not in image:
                 problems.append(f"{where}: image {image} is not Ray {version}")
             res = c.get("resources") or {}
-            if not all(k in res.get(kind, {}) for kind in ("requests", "limits") for k in ("cpu", "memory")):
-                problems.append(f"{where}: container {c.get('name')} lacks cpu/memory requests and limits")
+            if not all(k in res.get(kind, {})
+                       for kind in ("requests", "limits") for k in ("cpu", "memory")):
+                problems.append(f"{where}: container {c.get('name')} "
+                                "lacks cpu/memory requests and limits")
     return problems
 
 
@@ -200,14 +202,22 @@ def test_rayjob_manifest():
     assert (REPO / EXAMPLE).is_file()
 
 
+def _head_container(d):
+    return d["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _worker_container(d):
+    return d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+
+
 @pytest.mark.parametrize("breakage", [
     lambda d: d.update(apiVersion="ray.io/v1alpha1"),
     lambda d: d["spec"].update(entrypoint="python other.py"),
     lambda d: d["spec"].update(runtimeEnvYAML="env_vars: {A: b}"),
     lambda d: d["spec"]["rayClusterSpec"].pop("headGroupSpec"),
     lambda d: d["spec"]["rayClusterSpec"].update(workerGroupSpecs=[]),
-    lambda d: d["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("image"),
-    lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].pop("resources"),
+    lambda d: _head_container(d).pop("image"),
+    lambda d: _worker_container(d).pop("resources"),
     lambda d: d["spec"]["rayClusterSpec"].update(rayVersion="2.9.0"),
 ])
 def test_rayjob_check_rejects_broken_manifest(breakage):
