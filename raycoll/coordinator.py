@@ -231,6 +231,15 @@ class Coordinator:
                     self._time_out(key, rnd, timeout_s)
         return self._collect(key, step, rnd, rank)
 
+    async def exchange_packed(self, request: Tuple[Any, ...]) -> Result:
+        """:meth:`exchange` with its arguments in one tuple: the collectives' hot path.
+
+        Ray serializes each argument of an actor call on its own; one tuple instead of twelve
+        arguments saves a few hundred microseconds per call on both sides (object references
+        nested in the tuple are tracked as with separate arguments).
+        """
+        return await self.exchange(*request)
+
     def reject(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str, message: str) -> Result:
         """``rank`` rejected its own arguments for collective ``seq``: fail it on every rank."""
         self._groups[key] = tuple(ranks)

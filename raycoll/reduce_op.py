@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["ReduceOp", "check_op_dtype", "combine", "finalize", "reduce_arrays"]
+__all__ = ["ReduceOp", "check_op_dtype", "combine", "combine_into", "finalize", "reduce_arrays"]
 
 
 class ReduceOp:
@@ -126,6 +126,11 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
 def combine(op: ReduceOp, out: np.ndarray, other: np.ndarray) -> None:
     """``out = out (op) other``, in place, elementwise."""
     _UFUNC[op.name](out, other, out=out)
+
+
+def combine_into(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """``out = a (op) b``, elementwise, in one pass over memory (``out`` may be ``a`` or ``b``)."""
+    _UFUNC[op.name](a, b, out=out)
 
 
 def finalize(op: ReduceOp, out: np.ndarray, world_size: int) -> None:

@@ -104,10 +104,10 @@ class GroupContext:
                 return reduce_arrays(ReduceOp(*call.fp["reduce_op"]), [payload])
             return [payload[0] if payload is not None else None]
         fp = call.fp if step == 0 else {"op": call.op}
-        ref = self.client.submit(
-            "exchange", self.group_name, self.global_ranks, call.seq, step, self.rank, fp,
+        ref = self.client.submit("exchange_packed", (
+            self.group_name, self.global_ranks, call.seq, step, self.rank, fp,
             send_meta, recv_meta, payload, mode, root, call.timeout_s,
-        )
+        ))
         return self.client.wait(ref, call.timeout_s, **self.ctx(call))
 
     def fail(self, exc: BaseException) -> None:

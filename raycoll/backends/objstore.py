@@ -1,20 +1,55 @@
 """The object-store backend: CPU arrays through Ray's shared-memory object store.
 
-Small payloads travel inline in the coordinator call (one round trip; the coordinator reduces
-small ``all_reduce`` payloads itself). Large payloads are ``ray.put`` once and exchanged as
-object references; peers read them with ``ray.get`` (zero-copy on the same node) and reduce
-straight into the output buffer. Reductions are bandwidth-optimal: reduce-scatter (each rank
-reduces one chunk, reading only that chunk of every peer) then all-gather of the reduced
-chunks, so each rank moves about 2(W-1)/W of the data and no rank pulls a chunk it does not
-need. Objects are owned by the rank that put them and released as soon as the readers are
-done (Ray's reference counting), so object-store memory returns to its baseline after every
-collective; peak use is about one input's size per rank.
+Every collective is one or two *steps*; a step is one round trip to the coordinator
+(:meth:`GroupContext.exchange`), which matches the ranks' arrivals and routes what each rank
+sends to each other rank. What travels depends on the size and the topology:
+
+- **inline**: when everything a rank sends in a step is at most ``inline_bytes``, the arrays
+  ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced by the
+  coordinator: one round trip, no object store at all);
+- **one object per step** (all ranks on one node): the pieces a rank sends to its peers are
+  put together in one ``ray.put`` of a list of arrays; each peer maps the object zero-copy and
+  takes its piece, so a step costs one put of exactly the bytes the peers need;
+- **one object per destination** (ranks on several nodes): a peer pulls only the piece meant
+  for it; an object that several ranks of one node read (all-gather phases, broadcast) is
+  pulled once per node and then shared from that node's store (Ray's per-node caching makes
+  the inter-node part hierarchical).
+
+Readers reduce or copy straight from the mapped objects into the output buffer; no rank ever
+materialises more than its inputs and outputs.
+
+Algorithms (``W`` ranks, ``N`` bytes per rank's buffer):
+
+- ``all_reduce``: inline (coordinator reduces) up to ``inline_bytes``; *direct* up to
+  ``direct_bytes`` (one step: every rank puts its buffer once and reduces all of them in rank
+  order, so results are bitwise identical everywhere); above, reduce-scatter then all-gather
+  (two steps; rank ``j`` reduces chunk ``j``; each rank puts ``(W-1)/W N`` then ``N/W`` and
+  reads as much: bandwidth-optimal);
+- ``reduce``: as ``all_reduce`` but the all-gather step only feeds the root;
+- ``reduce_scatter``: one step (peers' pieces in, own chunk reduced in place);
+- ``broadcast``, ``scatter``, ``gather``, ``all_gather``, ``all_to_all``: one step, each
+  byte put once by its owner and copied once by each reader that needs it.
+
+Object-store memory: every object is owned by the rank that put it. A step's objects stay
+referenced by their owner until the next step of the same collective has been matched (every
+reader arrived there, so it is done reading), and objects of a collective's last step are
+released by Ray's reference counting as soon as the readers drop their views, before they
+return. So use returns to its baseline after every collective, and the peak during one is at
+most what the ranks send in two consecutive steps: about ``N`` per rank for ``all_reduce``
+(``(W-1)/W N`` + ``N/W``), the whole input for the roots of ``broadcast`` and ``scatter``,
+``N/W`` per rank for ``all_gather`` (``N`` its output), at most ``(W-1)/W`` of a rank's input
+for ``reduce_scatter`` and ``all_to_all`` — plus, across nodes, a secondary copy of each
+object pulled onto another node, freed with the primary.
+
+Thresholds are group options (``create_group(..., options={...})``): ``inline_bytes``,
+``direct_bytes``, and ``all_reduce_algo`` (``"inline"``, ``"direct"``, ``"rs_ag"``) or
+``put`` (``"auto"``, ``"combined"``, ``"per_peer"``) to force a choice when measuring.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import ray
@@ -22,12 +57,19 @@ import ray
 from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.reduce_op import ReduceOp, combine, finalize
+from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
 
-__all__ = ["ObjstoreBackend", "INLINE_BYTES"]
+__all__ = ["ObjstoreBackend", "INLINE_BYTES", "DIRECT_BYTES"]
 
-#: Payloads up to this size travel inline in the coordinator call instead of ``ray.put``.
+#: Everything a rank sends in one step travels inline in the coordinator call up to this size.
 INLINE_BYTES = 64 * 1024
+#: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
+#: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
+DIRECT_BYTES = 1 << 20
+
+_ALGOS = ("inline", "direct", "rs_ag")
+_PUTS = ("auto", "combined", "per_peer")
 
 _LOST = (
     ray.exceptions.OwnerDiedError,
@@ -35,6 +77,10 @@ _LOST = (
     ray.exceptions.ObjectFetchTimedOutError,
     ray.exceptions.ObjectReconstructionFailedError,
 )
+
+#: What one rank sends another in a step: an inline array, a whole object, or one array of
+#: an object that holds a list of arrays.
+Payload = Any
 
 
 def _meta(arr: np.ndarray) -> Any:
@@ -56,6 +102,11 @@ def _flat_in(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    if not np.shares_memory(dst, src):
+        np.copyto(dst, src.reshape(dst.shape))
+
+
 class ObjstoreBackend(CollectiveBackend):
     """CPU collectives through the Ray object store, driven by the coordinator."""
 
@@ -63,113 +114,219 @@ class ObjstoreBackend(CollectiveBackend):
 
     def __init__(self, ctx: GroupContext) -> None:
         super().__init__(ctx)
-        self.inline_bytes = int(ctx.options.get("inline_bytes", INLINE_BYTES))
+        opts = ctx.options
+        self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
+        self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
+        algo = opts.get("all_reduce_algo")
+        if algo is not None and algo not in _ALGOS:
+            raise ValueError(f"group option all_reduce_algo: expected one of {_ALGOS} or None, "
+                             f"got {algo!r} (group {ctx.group_name!r})")
+        put = opts.get("put", "auto")
+        if put not in _PUTS:
+            raise ValueError(f"group option put: expected one of {_PUTS}, got {put!r} "
+                             f"(group {ctx.group_name!r})")
+        self.algo: Optional[str] = algo
+        self.combined = put == "combined" or (put == "auto" and ctx.single_node)
 
-    # ------------------------------------------------------------------ data plane helpers
-    def _pub(self, arr: np.ndarray) -> Any:
-        """A payload for ``arr``: the array itself when small, else an object reference."""
-        if arr.nbytes <= self.inline_bytes:
-            return arr
-        return ray.put(arr)
+    # ------------------------------------------------------------------ publishing
+    def _publish(self, pieces: Dict[int, np.ndarray]) -> List[Payload]:
+        """Per-destination payloads for ``pieces`` (group rank -> array); ``None`` elsewhere.
 
-    def _get(self, payload: Any, call: Call, src: int) -> np.ndarray:
-        """The array behind a payload from group rank ``src`` (read-only when from the store)."""
-        if not isinstance(payload, ray.ObjectRef):
-            return payload
+        Inline when their total is small; else one object holding all of them (one node), or
+        one object per destination (several nodes: each peer pulls only its piece).
+        """
+        sent: List[Payload] = [None] * self.ctx.size
+        if not pieces:
+            return sent
+        total = sum(a.nbytes for a in pieces.values())
+        if total <= self.inline_bytes:
+            for j, a in pieces.items():
+                sent[j] = a
+        elif self.combined and len(pieces) > 1:
+            order = sorted(pieces)
+            ref = ray.put([pieces[j] for j in order])
+            for i, j in enumerate(order):
+                sent[j] = (ref, i)
+        else:
+            for j, a in pieces.items():
+                sent[j] = ray.put(a)
+        return sent
+
+    def _publish_same(self, arr: np.ndarray, to: Sequence[int]) -> List[Payload]:
+        """The same array for every rank in ``to``: inline, or one object read by all."""
+        sent: List[Payload] = [None] * self.ctx.size
+        if not to:
+            return sent
+        payload: Payload = arr if arr.nbytes <= self.inline_bytes else ray.put(arr)
+        for j in to:
+            sent[j] = payload
+        return sent
+
+    # ------------------------------------------------------------------ reading
+    def _fetch(self, got: Sequence[Payload], call: Call) -> Dict[int, np.ndarray]:
+        """The arrays behind the payloads received in a step, by source group rank.
+
+        Objects are fetched in one ``ray.get`` (pulled in parallel across nodes; mapped
+        zero-copy, read-only, on the same node).
+        """
+        out: Dict[int, np.ndarray] = {}
+        refs: List[Any] = []
+        where: List[Tuple[int, Optional[int]]] = []
+        for s, payload in enumerate(got):
+            if payload is None:
+                continue
+            if isinstance(payload, ray.ObjectRef):
+                refs.append(payload)
+                where.append((s, None))
+            elif isinstance(payload, tuple):
+                refs.append(payload[0])
+                where.append((s, int(payload[1])))
+            else:
+                out[s] = payload
+        if refs:
+            values = self._get(refs, [s for s, _ in where], call)
+            for (s, index), value in zip(where, values):
+                out[s] = value if index is None else value[index]
+        return out
+
+    def _get(self, refs: List[Any], sources: List[int], call: Call) -> List[Any]:
         ctx = self.ctx
-        who = ctx.global_ranks[src]
         try:
-            return ray.get(payload, timeout=call.timeout_s)
+            return list(ray.get(refs, timeout=call.timeout_s))
         except ray.exceptions.GetTimeoutError as exc:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            who = sorted({ctx.global_ranks[s] for r, s in zip(refs, sources) if r in pending})
             raise errors.DistTimeoutError(
-                f"{call.op} #{call.seq} on group {ctx.group_name!r}: reading rank {who}'s data "
-                f"took longer than {call.timeout_s:g}s", missing=[who], **ctx.ctx(call)
+                f"{call.op} #{call.seq} on group {ctx.group_name!r}: reading the data of ranks "
+                f"{who} took longer than {call.timeout_s:g}s", missing=who, **ctx.ctx(call)
             ) from exc
         except _LOST as exc:
+            who = sorted({ctx.global_ranks[s] for s in sources})
             err = errors.RankFailedError(
-                f"{call.op} #{call.seq} on group {ctx.group_name!r}: rank {who}'s data is lost "
-                f"(its actor died: {type(exc).__name__})", failed_ranks=[who], **ctx.ctx(call)
+                f"{call.op} #{call.seq} on group {ctx.group_name!r}: data from ranks {who} is "
+                f"lost (a rank's actor died: {type(exc).__name__})", failed_ranks=who,
+                **ctx.ctx(call)
             )
             ctx.fail(err)
             raise err from exc
 
+    # ------------------------------------------------------------------ steps
     def _reduce_scatter_step(self, pieces: Sequence[np.ndarray], out: np.ndarray, op: ReduceOp,
-                             call: Call, step: int) -> List[Any]:
+                             call: Call, step: int) -> List[Payload]:
         """Send ``pieces[j]`` to rank j; reduce what every rank sent us, plus ours, into ``out``.
 
         Returns our published payloads: keep them referenced until the peers are done.
         """
         me, size = self.ctx.rank, self.ctx.size
-        sent = [None if j == me else self._pub(pieces[j]) for j in range(size)]
+        sent = self._publish({j: pieces[j] for j in range(size) if j != me})
         got = self.ctx.exchange(call, step, sent)
-        if not np.shares_memory(out, pieces[me]):
-            np.copyto(out, pieces[me])
-        for s in range(size):
-            if s != me:
-                combine(op, out, self._get(got[s], call, s))
+        arrays = self._fetch(got, call)
+        own = pieces[me].reshape(out.shape)
+        first = True
+        for s in sorted(arrays):
+            other = arrays[s].reshape(out.shape)
+            if first and not np.shares_memory(out, own):
+                _combine_into(op, out, own, other)
+            else:
+                combine(op, out, other)
+            first = False
+        if first:
+            _copy(out, own)
+        del arrays
         finalize(op, out, size)
         return sent
 
-    def _all_gather_step(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
-                         step: int, root: Optional[int] = None) -> None:
+    def _gather_step(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call, step: int,
+                     root: Optional[int] = None) -> None:
         """Every rank's ``mine`` lands in ``outs[rank]`` (only on ``root``, when given)."""
         me, size = self.ctx.rank, self.ctx.size
-        payload = self._pub(mine)
-        sent = [None if j == me or (root is not None and j != root) else payload
-                for j in range(size)]
-        got = self.ctx.exchange(call, step, sent)
+        to = [j for j in range(size) if j != me and (root is None or j == root)]
+        got = self.ctx.exchange(call, step, self._publish_same(mine, to))
         if root is not None and me != root:
             return
-        for s in range(size):
-            if s == me:
-                if not np.shares_memory(outs[s], mine):
-                    np.copyto(outs[s], mine.reshape(outs[s].shape))
-            else:
-                np.copyto(outs[s], self._get(got[s], call, s).reshape(outs[s].shape))
+        arrays = self._fetch(got, call)
+        _copy(outs[me], mine)
+        for s, arr in arrays.items():
+            _copy(outs[s], arr)
+        del arrays
 
     # ------------------------------------------------------------------ reductions
+    def _all_reduce_algo(self, nbytes: int) -> str:
+        if self.ctx.size == 1:
+            return "inline"
+        if self.algo is not None:
+            return self.algo
+        if nbytes <= self.inline_bytes:
+            return "inline"
+        if nbytes <= self.direct_bytes and self.ctx.single_node:
+            return "direct"
+        return "rs_ag"
+
     def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
+        if self.ctx.size == 1:
+            finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
+            return
         with _flat_out(arr) as flat:
-            if flat.nbytes <= self.inline_bytes or self.ctx.size == 1:
+            algo = self._all_reduce_algo(flat.nbytes)
+            if algo == "inline":
                 np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
-                return
-            bounds = chunk_bounds(flat.size, self.ctx.size)
-            chunks = [flat[bounds[j]:bounds[j + 1]] for j in range(self.ctx.size)]
-            me = self.ctx.rank
-            sent = self._reduce_scatter_step(chunks, chunks[me], op, call, 0)
-            self._all_gather_step(chunks[me], chunks, call, 1)
-            del sent
+            elif algo == "direct":
+                self._direct_all_reduce(flat, op, call)
+            else:
+                size, me = self.ctx.size, self.ctx.rank
+                bounds = chunk_bounds(flat.size, size)
+                chunks = [flat[bounds[j]:bounds[j + 1]] for j in range(size)]
+                sent = self._reduce_scatter_step(chunks, chunks[me], op, call, 0)
+                self._gather_step(chunks[me], chunks, call, 1)
+                del sent
+
+    def _direct_all_reduce(self, flat: np.ndarray, op: ReduceOp, call: Call) -> None:
+        """One step: each rank puts its buffer once and reduces all of them, in rank order."""
+        me, size = self.ctx.rank, self.ctx.size
+        own: Payload = ray.put(flat)
+        got = self.ctx.exchange(call, 0, [None if j == me else own for j in range(size)])
+        arrays = self._fetch(got, call)
+        # Our own term: the buffer itself while it is not yet overwritten, else our object.
+        arrays[me] = flat if me <= 1 else self._get([own], [me], call)[0]
+        if me != 0:
+            _combine_into(op, flat, arrays[0], arrays[1])
+        else:
+            combine(op, flat, arrays[1])
+        for s in range(2, size):
+            combine(op, flat, arrays[s])
+        del arrays
+        finalize(op, flat, size)
+        del own
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
-        me = self.ctx.rank
-        if arr.nbytes <= self.inline_bytes or self.ctx.size == 1:
+        me, size = self.ctx.rank, self.ctx.size
+        if self._all_reduce_algo(arr.nbytes) == "inline":
             result = self.ctx.exchange(call, 0, _flat_in(arr), mode="reduce", root=dst)
             if me == dst:
                 with _flat_out(arr) as flat:
                     np.copyto(flat, result)
             return
         src = _flat_in(arr)
-        bounds = chunk_bounds(src.size, self.ctx.size)
-        chunks = [src[bounds[j]:bounds[j + 1]] for j in range(self.ctx.size)]
+        bounds = chunk_bounds(src.size, size)
+        chunks = [src[bounds[j]:bounds[j + 1]] for j in range(size)]
         if me == dst:
             with _flat_out(arr) as flat:
-                outs = [flat[bounds[j]:bounds[j + 1]] for j in range(self.ctx.size)]
+                outs = [flat[bounds[j]:bounds[j + 1]] for j in range(size)]
                 sent = self._reduce_scatter_step(chunks, outs[me], op, call, 0)
-                self._all_gather_step(outs[me], outs, call, 1, root=dst)
+                self._gather_step(outs[me], outs, call, 1, root=dst)
         else:
             mine = np.empty_like(chunks[me])
             sent = self._reduce_scatter_step(chunks, mine, op, call, 0)
-            self._all_gather_step(mine, [], call, 1, root=dst)
+            self._gather_step(mine, [], call, 1, root=dst)
         del sent
 
     def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None:
         out = host_view(output)
         pieces = [_flat_in(host_view(t)) for t in inputs]
         with _flat_out(out) as flat:
-            sent = self._reduce_scatter_step(pieces, flat, op, call, 0)
-        del sent
+            self._reduce_scatter_step(pieces, flat, op, call, 0)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None:
         src = _flat_in(host_view(tensor))
@@ -177,49 +334,52 @@ class ObjstoreBackend(CollectiveBackend):
         n = out.size
         pieces = [src[j * n:(j + 1) * n] for j in range(self.ctx.size)]
         with _flat_out(out) as flat:
-            sent = self._reduce_scatter_step(pieces, flat, op, call, 0)
-        del sent
+            self._reduce_scatter_step(pieces, flat, op, call, 0)
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
-        me = self.ctx.rank
+        me, size = self.ctx.rank, self.ctx.size
         if me == src:
-            payload = self._pub(_flat_in(arr))
-            self.ctx.exchange(call, 0, [None if j == me else payload for j in range(self.ctx.size)])
+            sent = self._publish_same(_flat_in(arr), [j for j in range(size) if j != me])
+            self.ctx.exchange(call, 0, sent)
             return
         got = self.ctx.exchange(call, 0, None)
         with _flat_out(arr) as flat:
-            np.copyto(flat, self._get(got[src], call, src).reshape(-1))
+            data = self._fetch(got, call)
+            _copy(flat, data[src])
+            del data
 
     def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> None:
         mine = host_view(tensor)
         outs = [host_view(t) for t in outputs]
-        self._all_gather_step(mine, outs, call, 0)
+        self._gather_step(mine, outs, call, 0)
 
     def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> None:
         mine = _flat_in(host_view(tensor))
         n = mine.size
         with _flat_out(host_view(output)) as flat:
             outs = [flat[j * n:(j + 1) * n] for j in range(self.ctx.size)]
-            self._all_gather_step(mine, outs, call, 0)
+            self._gather_step(mine, outs, call, 0)
 
     def gather(self, tensor: Any, outputs: Optional[List[Any]], dst: int, call: Call) -> None:
         mine = host_view(tensor)
         outs = [host_view(t) for t in outputs] if outputs is not None else []
-        self._all_gather_step(mine, outs, call, 0, root=dst)
+        self._gather_step(mine, outs, call, 0, root=dst)
 
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None:
         out = host_view(output)
-        me = self.ctx.rank
+        me, size = self.ctx.rank, self.ctx.size
         if me == src:
             arrays = [host_view(t) for t in inputs or []]
-            sent = [None if j == me else self._pub(arrays[j]) for j in range(self.ctx.size)]
-            self.ctx.exchange(call, 0, sent)
-            np.copyto(out, arrays[me].reshape(out.shape))
+            self.ctx.exchange(call, 0, self._publish({j: arrays[j] for j in range(size)
+                                                      if j != me}))
+            _copy(out, arrays[me])
             return
         got = self.ctx.exchange(call, 0, None)
-        np.copyto(out, self._get(got[src], call, src).reshape(out.shape))
+        data = self._fetch(got, call)
+        _copy(out, data[src])
+        del data
 
     def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> None:
         ins = [host_view(t) for t in inputs]
@@ -228,8 +388,7 @@ class ObjstoreBackend(CollectiveBackend):
 
     def all_to_all_single(self, output: Any, tensor: Any, output_splits: List[int],
                           input_splits: List[int], call: Call) -> None:
-        src = host_view(tensor)
-        src = np.ascontiguousarray(src)
+        src = np.ascontiguousarray(host_view(tensor))
         trailing = tuple(src.shape[1:])
         in_off = np.concatenate([[0], np.cumsum(input_splits)]).astype(int)
         ins = [src[in_off[j]:in_off[j + 1]] for j in range(self.ctx.size)]
@@ -242,23 +401,23 @@ class ObjstoreBackend(CollectiveBackend):
 
     def _all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], send_meta: List[Any],
                     recv_meta: List[Any], call: Call) -> None:
-        me = self.ctx.rank
-        sent = [None if j == me else self._pub(ins[j]) for j in range(self.ctx.size)]
+        me, size = self.ctx.rank, self.ctx.size
+        sent = self._publish({j: ins[j] for j in range(size) if j != me})
         got = self.ctx.exchange(call, 0, sent, send_meta=send_meta, recv_meta=recv_meta)
-        np.copyto(outs[me], ins[me].reshape(outs[me].shape))
-        for s in range(self.ctx.size):
-            if s != me:
-                np.copyto(outs[s], self._get(got[s], call, s).reshape(outs[s].shape))
+        _copy(outs[me], ins[me])
+        data = self._fetch(got, call)
+        for s, arr in data.items():
+            _copy(outs[s], arr)
+        del data
 
     def barrier(self, call: Call) -> None:
         self.ctx.exchange(call, 0, None)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
-        arr = host_view(tensor)
-        payload = self._pub(np.ascontiguousarray(arr))
-        if payload is arr:  # inline: snapshot now, the caller may reuse its buffer
-            payload = arr.copy()
+        arr = np.ascontiguousarray(host_view(tensor))
+        # inline: snapshot now, the caller may reuse its buffer before the message is matched
+        payload = arr.copy() if arr.nbytes <= self.inline_bytes else ray.put(arr)
         ref = self.ctx.p2p_send(dst, tag, _meta(arr), payload, timeout_s)
         group = self.ctx
 
@@ -278,7 +437,12 @@ class ObjstoreBackend(CollectiveBackend):
             sender, payload = self.ctx.client.wait(
                 ref, timeout_s, op="recv", group=self.ctx.group_name,
                 rank=self.ctx.global_ranks[self.ctx.rank])
-            np.copyto(arr, self._get(payload, call, sender).reshape(arr.shape))
+            got: List[Payload] = [None] * self.ctx.size
+            got[int(sender)] = payload
+            data = self._fetch(got, call)
+            _copy(arr, data[int(sender)])
+            del data
             return int(sender)
 
         return wait
+
