@@ -333,6 +333,14 @@ class Coordinator:
         result = await self.exchange(key, ranks, seq, 0, rank, fp, None, None, [join_seq] * size,
                                      "route", None, timeout_s)
         if result[0] != "ok":
+            if result[1] == "mismatch":  # the ranks are out of step: nothing can go on
+                message = (f"{result[2]} (the ranks of a Join are out of step: does every rank "
+                           "use the same joinables and throw_on_early_termination, does the "
+                           "first joinable call Join.notify_join_context before its "
+                           "collectives, and does each main_hook shadow exactly one "
+                           "iteration's collectives?)")
+                self.abort(key, "mismatch", message)
+                return self._broken.get(key, _err("mismatch", message))
             return result
         seqs: List[Optional[int]] = result[1]
         nonjoined = [ranks[r] for r in range(size) if seqs[r] is None]

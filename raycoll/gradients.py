@@ -51,14 +51,20 @@ def _views(values: Sequence[Any], name: str) -> List[np.ndarray]:
     return views
 
 
+def _zeros_like(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return np.zeros_like(value)
+    return value.detach().new_zeros(value.shape)  # a torch CPU tensor (host_view checked it)
+
+
 class GradientAverager(Joinable):
     """Averages gradients across the ranks of ``group`` every step; a :class:`Joinable`.
 
     Arguments:
         params: the model's parameters (numpy arrays or torch CPU tensors, floating dtypes);
             updated in place only by the post-hook.
-        grads: one gradient array per parameter, same shapes; zero arrays like the
-            parameters are allocated when omitted. :meth:`average` overwrites them in place.
+        grads: one gradient array per parameter, same shapes; zero arrays of the
+            parameters' kind (numpy or torch) are allocated when omitted. :meth:`average` overwrites them in place.
         group: the process group (``None``: the default group).
 
     Attributes:
@@ -74,9 +80,9 @@ class GradientAverager(Joinable):
         super().__init__()
         self.params = list(params) if isinstance(params, (list, tuple)) else params
         self._pviews = _views(self.params, "params")
-        if grads is None:
-            self._gviews = [np.zeros_like(p) for p in self._pviews]
-            self.grads: List[Any] = list(self._gviews)
+        if grads is None:  # same kind as the parameters, so that ``p -= g`` stays in place
+            self.grads: List[Any] = [_zeros_like(p) for p in self.params]
+            self._gviews = [host_view(g) for g in self.grads]
         else:
             self.grads = list(grads) if isinstance(grads, (list, tuple)) else grads
             self._gviews = _views(self.grads, "grads")
