@@ -78,14 +78,15 @@ class GradientAverager(Joinable):
     def __init__(self, params: Sequence[Any], grads: Optional[Sequence[Any]] = None,
                  group: GroupLike = None) -> None:
         super().__init__()
-        self.params = list(params) if isinstance(params, (list, tuple)) else params
-        self._pviews = _views(self.params, "params")
+        self._pviews = _views(params, "params")
+        self.params: List[Any] = list(params)
+        self.grads: List[Any]
         if grads is None:  # same kind as the parameters, so that ``p -= g`` stays in place
-            self.grads: List[Any] = [_zeros_like(p) for p in self.params]
+            self.grads = [_zeros_like(p) for p in self.params]
             self._gviews = [host_view(g) for g in self.grads]
         else:
-            self.grads = list(grads) if isinstance(grads, (list, tuple)) else grads
-            self._gviews = _views(self.grads, "grads")
+            self._gviews = _views(grads, "grads")
+            self.grads = list(grads)
             if len(self._gviews) != len(self._pviews):
                 raise ValueError(f"grads must have one array per parameter: expected "
                                  f"{len(self._pviews)}, got {len(self._gviews)}")

@@ -44,7 +44,7 @@ class AllReducer(raycoll.Joinable):
     def step(self) -> None:
         self.notified.append(raycoll.Join.notify_join_context(self))
         t = np.ones(1)
-        raycoll.all_reduce(t)
+        raycoll.all_reduce(t, group=self.group)
         self.total += float(t[0])
 
     def join_hook(self, **kwargs: Any) -> raycoll.JoinHook:
@@ -67,15 +67,15 @@ class _AllReducerHook(raycoll.JoinHook):
 
     def main_hook(self) -> None:
         self.owner.main_hook_calls += 1
-        raycoll.all_reduce(np.zeros(1))
+        raycoll.all_reduce(np.zeros(1), group=self.owner.group)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         owner = self.owner
         owner.is_last_joiner = is_last_joiner
         owner.post_kwargs = dict(self.kwargs)
         src = np.array([raycoll.get_rank() if is_last_joiner else -1])
-        raycoll.all_reduce(src, op=raycoll.ReduceOp.MAX)
-        raycoll.broadcast(owner.value, src=int(src[0]))
+        raycoll.all_reduce(src, op=raycoll.ReduceOp.MAX, group=owner.group)
+        raycoll.broadcast(owner.value, src=int(src[0]), group=owner.group)
 
 
 def _expected_total(rank: int, counts: List[int]) -> float:
@@ -152,6 +152,46 @@ def test_enable_false_with_even_inputs(ranks):
         assert res["all_notify_none"]
         # the all_reduces and nothing else: no join rounds were issued
         assert res["status"]["ranks"][0]["last_collective"] == ("all_reduce", 2 * BASE + 1)
+
+
+def _on_subgroup(rank: int) -> Any:
+    sub = raycoll.new_group([1, 2])
+    if rank == 0:
+        return None
+    joinable = AllReducer(value=float(rank), group=sub)
+    with raycoll.Join([joinable]):
+        for _ in range(rank * 2):
+            joinable.step()
+    return joinable.total, float(joinable.value[0]), joinable.is_last_joiner
+
+
+@pytest.mark.timeout(120)
+def test_join_on_a_subgroup(ranks):
+    # ranks 1 and 2 (2 and 4 inputs) on a subgroup; rank 0 is not in it
+    assert ranks.run(_on_subgroup, 3) == [None, (4.0, 2.0, False), (6.0, 2.0, True)]
+
+
+def _forgets_to_notify(rank: int) -> str:
+    class Silent(AllReducer):
+        def step(self) -> None:  # no notify_join_context: out of step with a joined rank
+            raycoll.all_reduce(np.ones(1))
+
+    joinable = Silent()
+    try:
+        with raycoll.Join([joinable]):
+            for _ in range(rank):
+                joinable.step()
+    except raycoll.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_joinable_that_does_not_notify_fails_fast_on_every_rank(ranks):
+    messages = ranks.run(_forgets_to_notify, 2)
+    for message in messages:
+        assert "join" in message and "all_reduce" in message, message
+    assert "notify_join_context" in messages[0]  # the joined rank's message says what to check
 
 
 def _throwing(rank: int, counts: List[int]) -> Dict[str, Any]:
