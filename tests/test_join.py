@@ -107,7 +107,7 @@ def _uneven(rank: int, counts: List[int], num_joinables: int, kwargs: Dict[str, 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_uneven_inputs_totals_and_post_hook_broadcast(ranks, world_size):
     counts = [BASE + i for i in range(world_size)]
     results = ranks.run(_uneven, world_size, counts, 1, {})
