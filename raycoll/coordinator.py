@@ -355,6 +355,11 @@ class Coordinator:
             "is_last_joiner": not nonjoined and join_seq is not None and join_seq == last_seq,
         })
 
+    async def join_round_packed(self, request: Tuple[Any, ...]) -> Result:
+        """:meth:`join_round` with its arguments in one tuple (cheaper to serialize: this is
+        called once per iteration by every rank inside a Join)."""
+        return await self.join_round(*request)
+
     def _end_join(self, key: str, ranks: Tuple[int, ...], seq: int,
                   order: List[Tuple[int, int]], terminated: bool) -> None:
         """The Join context whose final round is ``seq`` is over: keep its summary."""

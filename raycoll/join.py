@@ -302,8 +302,8 @@ def _local_result(pg: ProcessGroup, join_seq: Optional[int]) -> RoundResult:
 
 
 def _submit(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> "ray.ObjectRef":
-    return pg.context.client.submit("join_round", pg.name, pg.global_ranks, call.seq, pg.rank(),
-                                    join_seq, throw, call.timeout_s)
+    return pg.context.client.submit("join_round_packed", (
+        pg.name, pg.global_ranks, call.seq, pg.rank(), join_seq, throw, call.timeout_s))
 
 
 def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> RoundResult:
