@@ -11,8 +11,9 @@ collective and point-to-point operation, at ``DEBUG`` on the ``raycoll`` logger:
 
     raycoll trace rank=1 group=dp op=all_reduce seq=7 bytes=4096 time=0.812ms status=ok
 
-and makes it visible: the logger's level is set to ``DEBUG`` and, unless the logger already
-has a handler, a stream handler to stderr is added (Ray forwards actors' stderr to the driver).
+and makes it visible: the logger's level is set to ``DEBUG`` and, unless a handler already
+receives its records (on ``raycoll`` or the root logger), a stream handler to stderr is added
+(Ray forwards actors' stderr to the driver).
 Each trace record also carries the fields as ``record.raycoll_trace`` (a dict with ``rank``,
 ``group``, ``op``, ``seq``, ``bytes``, ``time_ms``, ``status``) for handlers that want them.
 ``bytes`` is what the operation writes into this rank's tensors (its output buffers; what a
@@ -46,13 +47,14 @@ def debug_enabled() -> bool:
 def configure_from_env() -> bool:
     """Make the trace visible when ``RAYCOLL_DEBUG`` is set; returns whether it is.
 
-    Sets the ``raycoll`` logger to ``DEBUG`` and adds one stderr handler unless the logger
-    already has handlers (then the user's handlers get the records). Idempotent.
+    Sets the ``raycoll`` logger to ``DEBUG`` and adds one stderr handler unless a handler
+    already sees its records (one on ``raycoll`` or an ancestor, e.g. the root logger after
+    ``logging.basicConfig``: then those handlers show the trace, once). Idempotent.
     """
     if not debug_enabled():
         return False
     logger.setLevel(logging.DEBUG)
-    if not logger.handlers:
+    if not logger.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER_NAME)
         handler.setLevel(logging.DEBUG)

@@ -103,9 +103,8 @@ def test_no_trace_without_the_env_var(ranks):
 
 
 def test_configure_from_env_adds_one_handler_unless_the_user_has_one(monkeypatch):
-    log = logging.getLogger("raycoll")
-    monkeypatch.setattr(log, "handlers", [])
-    monkeypatch.setattr(log, "level", logging.NOTSET)
+    log = logging.Logger("raycoll")  # a detached stand-in: the real one stays untouched
+    monkeypatch.setattr(debug, "logger", log)
     monkeypatch.delenv(debug.DEBUG_ENV, raising=False)
     assert debug.configure_from_env() is False and log.handlers == []
     monkeypatch.setenv(debug.DEBUG_ENV, "0")
@@ -116,8 +115,13 @@ def test_configure_from_env_adds_one_handler_unless_the_user_has_one(monkeypatch
     assert [h.get_name() for h in log.handlers] == ["raycoll-debug"]
     assert log.level == logging.DEBUG
     user = logging.NullHandler()
-    monkeypatch.setattr(log, "handlers", [user])
+    log.handlers = [user]
     assert debug.configure_from_env() is True and log.handlers == [user]
+    # a handler on an ancestor (the root logger after logging.basicConfig) shows the trace
+    log.handlers = []
+    log.parent = logging.Logger("root")
+    log.parent.addHandler(logging.NullHandler())
+    assert debug.configure_from_env() is True and log.handlers == []
 
 
 def test_library_never_prints():
