@@ -9,6 +9,7 @@ of waiting), pick the backend for the tensors' device, and run, waiting unless `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -25,7 +26,7 @@ from raycoll.work import Work
 logger = logging.getLogger("raycoll")
 
 Tensor = Any
-Prepared = Tuple[Dict[str, Any], Callable[[Call], None]]
+Prepared = Tuple[Dict[str, Any], Callable[[Call], Any]]
 
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
@@ -97,10 +98,12 @@ def _same(info: TensorInfo, like: TensorInfo, name: str, *, shape: bool = True) 
 
 
 def _np_dtype(info: TensorInfo) -> Optional[np.dtype]:
+    if info.dtype == "bfloat16":  # no numpy bfloat16: check ops as on another float dtype
+        return np.dtype(np.float16)
     try:
         return np.dtype(info.dtype)
     except TypeError:
-        return None  # e.g. bfloat16: checked by the backend that can hold it
+        return None  # checked by the backend that can hold it
 
 
 def _reduce_op(op: Any, info: TensorInfo) -> ReduceOp:
@@ -371,7 +374,9 @@ def barrier(group: GroupLike = None, async_op: bool = False,
             device_ids: Optional[List[int]] = None) -> Optional[Work]:
     """Wait until every rank of the group has reached the barrier."""
     def prepare(pg: ProcessGroup) -> Prepared:
-        backend = pg.backend("cpu")
+        # a GPU-only group (backend="nccl") meets through its GPU backend, as in c10d
+        serves_cpu = pg.backend_config.serves("cpu")
+        backend = pg.backend("cpu" if serves_cpu else "cuda")
         return {}, backend.barrier
 
     return _run("barrier", group, async_op, prepare)
@@ -379,21 +384,65 @@ def barrier(group: GroupLike = None, async_op: bool = False,
 
 def monitored_barrier(group: GroupLike = None, timeout: Any = None,
                       wait_all_ranks: bool = False) -> None:
-    """A barrier that reports which ranks failed to arrive within ``timeout``.
+    """A barrier that reports which ranks failed to arrive within ``timeout`` (c10d's).
 
-    Raises :class:`~raycoll.errors.DistTimeoutError` naming the missing ranks (all of them;
-    ``wait_all_ranks`` is accepted for torch compatibility: the coordinator always knows all).
+    ``timeout`` (seconds or ``timedelta``; default: the group's timeout) bounds the wait. If
+    some ranks have not arrived by then, every rank that did raises
+    :class:`~raycoll.errors.DistTimeoutError` whose ``missing`` lists the ranks that failed
+    to arrive, each with the last collective it completed. torch's rank 0 checks ranks one
+    by one and, unless ``wait_all_ranks``, stops at the first missing one; the coordinator
+    sees every arrival at once, so raycoll always reports all of them and ``wait_all_ranks``
+    only orders the message (first missing rank first, as torch words it).
+
+    Unlike a timeout in any other collective, a monitored_barrier timeout does not break the
+    group: it is a diagnostic. Every rank still consumes the barrier's sequence number, and a
+    rank that arrives late raises ``DistTimeoutError`` saying so, after which the group stays
+    usable on all ranks (a rank that never arrives will time out the next collective). A rank
+    that died fails it at once with ``RankFailedError``, as in every collective.
     """
     from raycoll.work import to_seconds
 
+    if not isinstance(wait_all_ranks, bool):
+        raise TypeError(f"wait_all_ranks must be a bool, got {wait_all_ranks!r}")
     pg = _resolve(group, "monitored_barrier")
     if pg is None:
         return None
-    seconds = to_seconds(timeout, pg.timeout_s)
+    seconds = float(to_seconds(timeout, pg.timeout_s) or pg.timeout_s)
     call = pg.new_call("monitored_barrier")
-    call = Call(call.op, call.seq, float(seconds or pg.timeout_s), dict(call.fp))
-    pg.run(call, lambda: pg.backend("cpu").barrier(call), False)
+    call = Call(call.op, call.seq, seconds, dict(call.fp))
+    timed_out: List[errors.DistTimeoutError] = []
+
+    def wait() -> None:
+        try:
+            pg.backend("cpu").barrier(call)
+        except errors.DistTimeoutError as exc:  # kept, not raised here: it must not break pg
+            timed_out.append(exc)
+
+    pg.run(call, wait, False)
+    if timed_out:
+        raise _monitored_timeout(timed_out[0], pg, call, wait_all_ranks)
     return None
+
+
+def _monitored_timeout(exc: errors.DistTimeoutError, pg: ProcessGroup, call: Call,
+                       wait_all_ranks: bool) -> errors.DistTimeoutError:
+    """monitored_barrier's error: who failed to arrive, or that this rank came too late."""
+    me = pg.global_ranks[pg.rank()]
+    missing = list(exc.missing)
+    where = f"monitored_barrier #{call.seq} on group {pg.name!r}"
+    if me in missing:
+        message = (f"rank {me} reached {where} after it had timed out on the other ranks "
+                   f"(timeout {call.timeout_s:g}s); the group stays usable")
+    elif missing:
+        first = f"rank {missing[0]} failed" if len(missing) == 1 or not wait_all_ranks else \
+            f"ranks {missing} failed"
+        message = f"{first} to pass {where} within {call.timeout_s:g}s; {exc}"
+    else:
+        message = str(exc)
+    out = errors.DistTimeoutError(message, missing=missing, op=call.op, seq=call.seq,
+                                  group=pg.name, rank=me)
+    out.__cause__ = exc.__cause__
+    return out
 
 
 # ---------------------------------------------------------------------- point to point
@@ -419,7 +468,8 @@ def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: in
         def post() -> Any:
             return backend.send(tensor, gp, int(tag), timeout)
     describe_ = f"{op} on group {pg.name!r}"
-    return pg.run_p2p(post, async_op, describe_, [tensor], op=op)
+    return pg.run_p2p(post, async_op, describe_, [tensor], op=op,
+                      ordered=backend.stream_ordered)
 
 
 def send(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,
@@ -477,14 +527,29 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
         if not isinstance(p, P2POp):
             raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
     works = []
-    for p in p2p_op_list:
-        if p.op is isend:
-            work = isend(p.tensor, p.peer, p.group, p.tag, group_dst=p.group_peer)
-        else:
-            work = irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
-        if work is not None:
-            works.append(work)
+    with contextlib.ExitStack() as batch:
+        # backends that group p2p calls (NCCL) issue the whole list as one group call
+        for backend in _batch_backends(p2p_op_list):
+            batch.enter_context(backend.batch_p2p())
+        for p in p2p_op_list:
+            if p.op is isend:
+                work = isend(p.tensor, p.peer, p.group, p.tag, group_dst=p.group_peer)
+            else:
+                work = irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
+            if work is not None:
+                works.append(work)
     return works
+
+
+def _batch_backends(p2p_op_list: Sequence[P2POp]) -> List[CollectiveBackend]:
+    """The distinct backends the operations of a batch go through (in first-use order)."""
+    found: Dict[int, CollectiveBackend] = {}
+    for p in p2p_op_list:
+        pg = world().resolve(p.group)
+        if isinstance(pg, ProcessGroup):
+            backend = pg.backend(describe(p.tensor, "tensor").device)
+            found.setdefault(id(backend), backend)
+    return list(found.values())
 
 
 # ---------------------------------------------------------------------- objects

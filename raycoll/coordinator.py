@@ -18,11 +18,14 @@ Results travel back as plain tuples, ``("ok", value)`` or ``("err", kind, messag
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import re
 import time
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -115,6 +118,7 @@ class Coordinator:
         self._current: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
         self._mail: Dict[Tuple[str, int], Deque[_Message]] = defaultdict(deque)
         self._waiting: Dict[Tuple[str, int], List[_Receiver]] = defaultdict(list)
+        self._init_liveness()
         # Join state (see the "join" section): group rank -> seq of the round it joined in,
         # for the Join context in progress; and how the last finished one ended.
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
@@ -161,7 +165,9 @@ class Coordinator:
     def leave(self, rank: int) -> Result:
         """``rank`` destroyed its handle on the group; once all have, the group may re-form."""
         self._left.add(rank)
+        self._liveness_left(rank)
         if self._left >= set(range(self._world_size)):
+            self._liveness_reset(self._generation)
             self._members.clear()
             self._formed = asyncio.Event()
             self._generation += 1
@@ -171,6 +177,8 @@ class Coordinator:
             self._current.clear()
             self._joins.clear()
             self._join_done.clear()
+            self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
+            self._kv_events.clear()
             self._reset.set()
         return _ok()
 
@@ -211,6 +219,9 @@ class Coordinator:
         all of them with ``fp["reduce_op"]`` and returns the result to every rank (or only to
         ``root``, a group rank).
         """
+        failed = self._dead_error(key)
+        if failed is not None:
+            return failed
         if key in self._broken:
             return self._broken[key]
         self._groups[key] = tuple(ranks)
@@ -225,7 +236,8 @@ class Coordinator:
                 self._complete(key, rnd, mode, root)
         if not rnd.done.is_set():
             try:
-                await asyncio.wait_for(rnd.done.wait(), timeout_s)
+                with self._watching(ranks):
+                    await asyncio.wait_for(rnd.done.wait(), timeout_s)
             except asyncio.TimeoutError:
                 if not rnd.done.is_set():
                     self._time_out(key, rnd, timeout_s)
@@ -390,6 +402,9 @@ class Coordinator:
     async def p2p_send(self, key: str, src: int, dst: int, tag: int, meta: Any, payload: Any,
                        timeout_s: float) -> Result:
         """Post a message from group rank ``src`` to ``dst``; resolves once a recv matched it."""
+        failed = self._dead_error(key)
+        if failed is not None:
+            return failed
         if key in self._broken:
             return self._broken[key]
         loop = asyncio.get_running_loop()
@@ -407,6 +422,9 @@ class Coordinator:
     async def p2p_recv(self, key: str, src: Optional[int], dst: int, tag: int, meta: Any,
                        timeout_s: float) -> Result:
         """Receive at group rank ``dst`` from ``src`` (``None``: any); returns ``(src, payload)``."""
+        failed = self._dead_error(key)
+        if failed is not None:
+            return failed
         if key in self._broken:
             return self._broken[key]
         loop = asyncio.get_running_loop()
@@ -462,6 +480,8 @@ class Coordinator:
         self._finish(rnd)
 
     def _finish(self, rnd: _Round) -> None:
+        for arrival in rnd.arrivals.values():  # release payload refs now, even on failure
+            arrival.payload = None
         rnd.done.set()
 
     def _time_out(self, key: str, rnd: _Round, timeout_s: float) -> None:
@@ -479,7 +499,8 @@ class Coordinator:
             f"{_fmt_ranks(missing)} never arrived ({detail})",
             missing=missing,
         )
-        self._broken[key] = rnd.error
+        if rnd.op != "monitored_barrier":  # a diagnostic: it reports, the group stays usable
+            self._broken[key] = rnd.error
         self._finish(rnd)
 
     def _last_of(self, key: str, global_ranks: Sequence[int]) -> Dict[int, Optional[Tuple[str, int]]]:
@@ -519,7 +540,8 @@ class Coordinator:
     async def _await_p2p(self, future: "asyncio.Future[Result]", timeout_s: float, drop: Any,
                          message: str) -> Result:
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            with self._watching(None):
+                return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
             if future.done():
                 return future.result()
@@ -537,6 +559,232 @@ class Coordinator:
             self._waiting[(key, dst)].remove(rcv)
         except ValueError:
             pass
+
+    # ================================================================== liveness
+    # Owned by the reliability work (issue 6). Two event-driven signals tell the coordinator
+    # that a rank's process is gone, so that every surviving rank fails within about a second
+    # with RankFailedError naming it, instead of waiting out the collective timeout:
+    #
+    # - a lease: after rendezvous each rank calls ``lease`` (a call that stays pending for as
+    #   long as the rank is a member; the rank owns its result) and hands the reference back
+    #   through ``watch``. When the rank's process dies, awaiting that reference fails with
+    #   ``OwnerDiedError``. Nothing is ever sent to the rank. Covers ranks that are not actors.
+    # - probes: while a collective or point-to-point wait has lasted ``PROBE_AFTER_S``, the
+    #   coordinator keeps one ``actor.__ray_ready__`` call outstanding per rank of that wait.
+    #   A rank busy in a method (a sync actor inside a collective, or computing) leaves the
+    #   probe queued, a no-op that runs when the method returns; when the actor dies the
+    #   pending probe fails within milliseconds (Ray's actor-death notification). An idle
+    #   actor answers at once and is probed again at most every ``REPROBE_S`` while the wait
+    #   lasts. No GCS polling; no probe at all while collectives complete quickly.
+    #
+    # A death breaks the root group and every subgroup (as an NCCL abort does in torch): the
+    # waiting calls fail now, later calls fail at once, until the group is destroyed and
+    # formed again. Deaths detected within ``DEATH_BATCH_S`` of each other (a node going down)
+    # are reported together. The dead rank counts as having left, so that the survivors can
+    # re-form the group by name with a replacement.
+
+    def _init_liveness(self) -> None:
+        self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
+        self._death_report: Optional[asyncio.TimerHandle] = None
+        self._waits: Dict[int, Tuple[float, Tuple[int, ...]]] = {}  # token -> (start, ranks)
+        self._wait_tokens = itertools.count()
+        self._waits_started = asyncio.Event()
+        self._monitor: Optional["asyncio.Task[None]"] = None
+        self._probes: Dict[int, "asyncio.Task[None]"] = {}
+        self._answered: Dict[int, float] = {}  # global rank -> when a probe last returned
+        self._leases: Dict[Tuple[int, int], "asyncio.Future[None]"] = {}
+        self._lease_watchers: Dict[Tuple[int, int], "asyncio.Task[None]"] = {}
+
+    async def lease(self, rank: int, generation: int) -> Result:
+        """Held pending by ``rank`` for as long as it is a member (see ``watch``)."""
+        await self._lease_future(rank, generation)
+        return _ok()
+
+    def watch(self, rank: int, generation: int, lease: List["ray.ObjectRef"]) -> Result:
+        """Watch ``rank``'s lease (its ``lease`` call's reference, in a list so that it arrives
+        unresolved): when the rank's process dies, the reference fails and the rank is dead."""
+        if generation != self._generation or rank in self._left:
+            return _ok()
+        key = (generation, rank)
+        if key not in self._lease_watchers:
+            self._lease_watchers[key] = asyncio.get_running_loop().create_task(
+                self._watch_lease(rank, generation, lease[0]))
+        return _ok()
+
+    def dead_ranks(self) -> Result:
+        """The global ranks found dead in this generation, with the reason."""
+        return _ok(dict(self._dead))
+
+    def _lease_future(self, rank: int, generation: int) -> "asyncio.Future[None]":
+        key = (generation, rank)
+        future = self._leases.get(key)
+        if future is None:
+            future = self._leases[key] = asyncio.get_running_loop().create_future()
+            if generation != self._generation or rank in self._left:
+                future.set_result(None)
+        return future
+
+    def _release_lease(self, rank: int, generation: int) -> None:
+        future = self._leases.pop((generation, rank), None)
+        if future is not None and not future.done():
+            future.set_result(None)
+        task = self._lease_watchers.pop((generation, rank), None)
+        if task is not None and not task.done():
+            task.cancel()
+
+    async def _watch_lease(self, rank: int, generation: int, ref: "ray.ObjectRef") -> None:
+        try:
+            await ref
+        except asyncio.CancelledError:
+            raise
+        except ray.exceptions.RayActorError:
+            pass  # the lease call itself failed: this coordinator is going away, not the rank
+        except ray.exceptions.RayError as exc:  # OwnerDiedError: the rank's process is gone
+            self._rank_died(rank, generation, f"its process exited ({type(exc).__name__} on "
+                            "the lease it held on the coordinator)")
+
+    def _liveness_left(self, rank: int) -> None:
+        """``rank`` left the group on purpose: release its lease (it is not dead)."""
+        self._release_lease(rank, self._generation)
+
+    def _liveness_reset(self, old_generation: int) -> None:
+        """Every rank has left: a new generation starts with no dead ranks."""
+        for gen, rank in list(self._leases):
+            if gen <= old_generation:
+                self._release_lease(rank, gen)
+        self._dead.clear()
+        self._answered.clear()
+        if self._death_report is not None:
+            self._death_report.cancel()
+            self._death_report = None
+
+    def _dead_error(self, key: str) -> Optional[Result]:
+        """The error for a call on ``key`` once a rank of the root group is dead, else None."""
+        if not self._dead or self._death_report is not None:  # none, or a report is pending
+            return None
+        error = self._broken.get(key)
+        if error is None:
+            error = self._broken[key] = _err(
+                "rank_failed", f"group {key!r} is broken: {self._dead_text()}; destroy the "
+                "group and form it again", failed_ranks=sorted(self._dead))
+        return error
+
+    def _dead_text(self) -> str:
+        root = self._group_name
+        return "; ".join(f"rank {g} of group {root!r} died: {why}"
+                         for g, why in sorted(self._dead.items()))
+
+    @contextmanager
+    def _watching(self, ranks: Optional[Sequence[int]]) -> Iterator[None]:
+        """While the body waits, probe ``ranks`` (global; ``None``: every member) if it lasts."""
+        token = next(self._wait_tokens)
+        targets = tuple(ranks) if ranks is not None else tuple(sorted(self._members))
+        self._waits[token] = (time.monotonic(), targets)
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_waits())
+        elif len(self._waits) == 1:
+            self._waits_started.set()
+        try:
+            yield
+        finally:
+            self._waits.pop(token, None)
+
+    async def _monitor_waits(self) -> None:
+        """Start probes for the ranks of every wait older than ``PROBE_AFTER_S``."""
+        while True:
+            if not self._waits:
+                self._waits_started.clear()
+                await self._waits_started.wait()
+                continue
+            now = time.monotonic()
+            wake = now + REPROBE_S
+            due: set = set()
+            for start, ranks in self._waits.values():
+                if now - start >= PROBE_AFTER_S:
+                    due.update(ranks)
+                else:
+                    wake = min(wake, start + PROBE_AFTER_S)
+            for g in sorted(due):
+                probe = self._probes.get(g)
+                if g in self._dead or (probe is not None and not probe.done()):
+                    continue
+                if (self._members.get(g) or {}).get("actor") is None:
+                    continue  # not an actor: only its lease watches it
+                answered = self._answered.get(g)
+                if answered is not None and now - answered < REPROBE_S:
+                    wake = min(wake, answered + REPROBE_S)
+                    continue
+                self._probes[g] = asyncio.get_running_loop().create_task(self._probe(g))
+            await asyncio.sleep(max(0.01, wake - time.monotonic()))
+
+    async def _probe(self, g: int) -> None:
+        member = self._members.get(g) or {}
+        actor, actor_id, generation = member.get("actor"), member.get("actor_id"), self._generation
+        try:
+            await actor.__ray_ready__.remote()
+        except ray.exceptions.ActorUnavailableError:
+            pass  # restarting or unreachable for now; its lease tells if its process died
+        except ray.exceptions.RayActorError as exc:
+            if (self._members.get(g) or {}).get("actor_id") == actor_id:
+                self._rank_died(g, generation, _death_cause(exc))
+            return
+        except Exception:  # noqa: BLE001 - a failed probe must never take the coordinator down
+            logger.exception("probing rank %d of group %r failed", g, self._group_name)
+        self._answered[g] = time.monotonic()
+
+    def _rank_died(self, g: int, generation: int, cause: str) -> None:
+        """Record that global rank ``g`` is dead; fail everything (after a short batch window)."""
+        if generation != self._generation or g in self._dead or g in self._left:
+            return
+        self._dead[g] = cause
+        logger.warning("raycoll: rank %d of group %r died: %s", g, self._group_name, cause)
+        if self._death_report is None:
+            self._death_report = asyncio.get_running_loop().call_later(
+                DEATH_BATCH_S, self._fail_dead)
+
+    def _fail_dead(self) -> None:
+        """Fail every waiting call of the root group and its subgroups; break them all."""
+        self._death_report = None
+        if not self._dead:
+            return
+        failed = sorted(self._dead)
+        text = self._dead_text()
+        for (key, _seq, _step), rnd in list(self._rounds.items()):
+            if rnd.done.is_set():
+                continue
+            ranks = self._groups.get(key, ())
+            waiting_for = [ranks[r] for r in range(rnd.size) if r not in rnd.arrivals]
+            rnd.error = _err(
+                "rank_failed",
+                f"{rnd.op} #{rnd.seq} on group {key!r} cannot complete: {text} (the collective "
+                f"was waiting for ranks {_fmt_ranks(waiting_for)})",
+                failed_ranks=failed)
+            self._broken[key] = rnd.error
+            self._finish(rnd)
+        self.abort(self._group_name, "rank_failed",
+                   f"group {self._group_name!r} is broken: {text}; destroy the group and form it "
+                   "again", {"failed_ranks": failed})
+        for g in failed:  # counts as having left: the survivors can re-form the group by name
+            if g not in self._left:
+                self.leave(g)
+
+
+# ====================================================================== liveness (module level)
+#: A wait must last this long before the coordinator probes the ranks it waits on.
+PROBE_AFTER_S = 0.5
+#: While a wait lasts, an actor that answered a probe is probed again after this long.
+REPROBE_S = 1.0
+#: Deaths detected within this window of the first one are reported together.
+DEATH_BATCH_S = 0.2
+
+def _death_cause(exc: BaseException) -> str:
+    """A one-line reason from a Ray actor-death error (its message spans many lines)."""
+    text = str(exc)
+    fields = dict(re.findall(r"^\s*(class_name|pid|ip): (\S+)$", text, flags=re.MULTILINE))
+    because = re.search(r"The actor is dead because (.+?)(?:\.\s|\.$|$)", text, flags=re.DOTALL)
+    reason = because.group(1).strip() if because else type(exc).__name__
+    where = ", ".join(f"{k} {fields[k]}" for k in ("class_name", "pid", "ip") if k in fields)
+    return f"{reason}" + (f" (actor {where})" if where else "")
 
 
 def _fmt_meta(meta: Any) -> str:
@@ -584,10 +832,39 @@ _RemoteCoordinator = ray.remote(num_cpus=0, max_concurrency=100_000, max_restart
 
 def start_coordinator(group_name: str, world_size: int, actor_name: str,
                       get_if_exists: bool = False) -> "ray.actor.ActorHandle":
-    """Start (or, with ``get_if_exists``, find) the named coordinator of a root group."""
-    return _RemoteCoordinator.options(name=actor_name, get_if_exists=get_if_exists).remote(
-        group_name, world_size
-    )
+    """Start (or, with ``get_if_exists``, find) the named coordinator of a root group.
+
+    Ranks that rendezvous by name race to create it: the loser of the race may be handed a
+    handle whose creation failed, so each candidate is checked alive, and looked up again
+    by name if it is not.
+    """
+    if not get_if_exists:
+        return _RemoteCoordinator.options(name=actor_name).remote(group_name, world_size)
+    last: Optional[BaseException] = None
+    for _ in range(_START_ATTEMPTS):
+        try:
+            handle = ray.get_actor(actor_name)
+        except ValueError:
+            try:
+                handle = _RemoteCoordinator.options(name=actor_name).remote(group_name, world_size)
+                import os, sys; print("DBG created", os.getpid(), handle._actor_id.hex(), file=sys.stderr, flush=True)
+            except ValueError as exc:  # another rank created it between our two calls
+                import os, sys; print("DBG create failed", os.getpid(), exc, file=sys.stderr, flush=True)
+                last = exc
+                continue
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=_START_TIMEOUT_S)
+            import os, sys; print("DBG start_coordinator", os.getpid(), handle._actor_id.hex(), file=sys.stderr, flush=True)
+            return handle
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            last = exc
+    raise errors.CoordinatorDiedError(
+        f"could not start or find the coordinator {actor_name!r} of group {group_name!r} "
+        f"after {_START_ATTEMPTS} attempts: {last}", group=group_name)
+
+
+_START_ATTEMPTS = 5
+_START_TIMEOUT_S = 60.0
 
 
 _ERRORS = {
@@ -608,6 +885,13 @@ class CoordinatorClient:
     def __init__(self, handle: "ray.actor.ActorHandle", group_name: str) -> None:
         self.handle = handle
         self.group_name = group_name
+        self.lease: Optional["ray.ObjectRef"] = None
+
+    def hold_lease(self, rank: int, generation: int) -> None:
+        """Hold this rank's lease on the coordinator (see the liveness section): if this
+        process dies, the coordinator learns it at once and fails the rank's peers."""
+        self.lease = self.handle.lease.remote(rank, generation)
+        self.handle.watch.remote(rank, generation, [self.lease])
 
     def submit(self, method: str, *args: Any) -> "ray.ObjectRef":
         return getattr(self.handle, method).remote(*args)
@@ -617,7 +901,9 @@ class CoordinatorClient:
              rank: Optional[int] = None) -> Any:
         """The value of a coordinator call, or the raycoll exception it stands for."""
         ctx = {"op": op, "seq": seq, "group": group or self.group_name, "rank": rank}
-        where = f"{op} #{seq} on group {ctx['group']!r}" if op else f"group {ctx['group']!r}"
+        where = f"group {ctx['group']!r}"
+        if op:
+            where = f"{op} #{seq} on {where}" if seq is not None else f"{op} on {where}"
         try:
             result = ray.get(ref, timeout=timeout_s + GRACE_S)
         except ray.exceptions.GetTimeoutError as exc:
@@ -627,12 +913,17 @@ class CoordinatorClient:
         except ray.exceptions.RayActorError as exc:
             raise errors.CoordinatorDiedError(
                 f"{where}: the coordinator of group {self.group_name!r} is gone (the group was "
-                "destroyed, or the process that created it exited)", **ctx
+                f"destroyed, or the process that created it exited): {_first_line(exc)}", **ctx
             ) from exc
         return unwrap(result, ctx)
 
     def call(self, method: str, *args: Any, timeout_s: float, **ctx: Any) -> Any:
         return self.wait(self.submit(method, *args), timeout_s, **ctx)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1][:300] if text else type(exc).__name__
 
 
 def unwrap(result: Result, ctx: Dict[str, Any]) -> Any:

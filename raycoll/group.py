@@ -16,15 +16,17 @@ import concurrent.futures
 import logging
 import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from raycoll import debug, errors
 from raycoll.backends import BackendConfig
+from raycoll.backends._cuda import select_device
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
-from raycoll.work import Work
+from raycoll.work import DevicePending, Work
 
 logger = logging.getLogger("raycoll")
 
@@ -215,6 +217,8 @@ class ProcessGroup:
             outputs: Optional[List[Any]] = None) -> Optional[Work]:
         """Run ``fn`` for ``call`` in issue order; a ``Work`` when ``async_op``."""
         nbytes = debug.message_bytes(outputs) if self._debug else None
+        if self._stream_ordered(call):
+            return self._run_on_stream(call, fn, async_op, outputs, nbytes)
         if not async_op:
             with self._lock:
                 idle = self._outstanding == 0
@@ -227,22 +231,59 @@ class ProcessGroup:
         return Work(future, describe=f"{call.op} #{call.seq} on group {self._name!r}",
                     on_timeout=lambda s: self._work_timed_out(call, s), outputs=outputs)
 
+    # -- stream-ordered backends (NCCL): enqueue in the caller's thread, in issue order
+    def _stream_ordered(self, call: Call) -> bool:
+        backend = self._backends.get(str(call.fp.get("device", "")))
+        return bool(backend is not None and backend.stream_ordered)
+
+    def _drain(self) -> None:
+        """Wait until what is queued on the worker thread has run, so that device work is
+        enqueued in issue order (each queued operation is bounded by its own timeout)."""
+        with self._lock:
+            queued, executor = self._outstanding, self._executor
+        if queued and executor is not None:
+            executor.submit(lambda: None).result(timeout=self._timeout_s * (queued + 1) + 60.0)
+
+    def _run_on_stream(self, call: Call, fn: Callable[[], Any], async_op: bool,
+                       outputs: Optional[List[Any]], nbytes: Optional[int]) -> Optional[Work]:
+        """Enqueue now; the device work stays pending (torch's semantics for NCCL): a sync call
+        makes the caller's current stream wait for it, ``Work.wait()`` does so later."""
+        self._drain()
+        result = self._execute(call, fn, nbytes)
+        if async_op:
+            done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+            done.set_result(result)
+            return Work(done, describe=f"{call.op} #{call.seq} on group {self._name!r}",
+                        outputs=outputs)
+        if isinstance(result, DevicePending):
+            result.wait(None)
+        return None
+
+    def _global_source(self, value: Any) -> Any:
+        """A p2p completion's value with the source rank made global."""
+        if isinstance(value, DevicePending):
+            if value.source is not None:
+                value.source = self._global_ranks[value.source]
+            return value
+        return self._global_ranks[value] if value is not None else None
+
     def run_p2p(self, post: Callable[[], Completion], async_op: bool, describe: str,
                 outputs: Optional[List[Any]] = None,
-                op: str = "p2p") -> Union[Work, Optional[int]]:
-        """Post a send/recv now; wait for it now, or return a ``Work``."""
+                op: str = "p2p", ordered: bool = False) -> Union[Work, Optional[int]]:
+        """Post a send/recv now; wait for it now, or return a ``Work``. ``ordered``: the
+        backend is stream-ordered (queued operations are enqueued first)."""
         self.check_usable()
+        if ordered:
+            self._drain()
         start = time.perf_counter()
         completion = post()
 
-        def finish() -> Optional[int]:
+        def finish() -> Any:
             if not self._debug:
-                source = completion()
-                return self._global_ranks[source] if source is not None else None
+                return self._global_source(completion())
             error: Optional[BaseException] = None
             try:
-                source = completion()
-                return self._global_ranks[source] if source is not None else None
+                return self._global_source(completion())
             except BaseException as exc:
                 error = exc
                 raise
@@ -252,7 +293,11 @@ class ProcessGroup:
                             seconds=time.perf_counter() - start, error=error)
 
         if not async_op:
-            return finish()
+            value = finish()
+            if isinstance(value, DevicePending):
+                value.wait(None)
+                return value.source
+            return value
         with self._lock:
             if self._p2p_pool is None:
                 self._p2p_pool = concurrent.futures.ThreadPoolExecutor(
@@ -345,6 +390,8 @@ class ProcessGroup:
         if self._destroyed is not None:
             return
         self._destroyed = reason
+        if self._broken is not None:  # its frames hold the failed call's arrays and object refs
+            traceback.clear_frames(self._broken.__traceback__)
         for pool in (self._executor, self._p2p_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -446,6 +493,8 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     client = CoordinatorClient(spec.coordinator, spec.name)
     info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
+    client.hold_lease(rank, int(info.get("generation", 0)))
+    select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], dict(spec.options))
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
                       config=config, timeout_s=spec.timeout_s)
