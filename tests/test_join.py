@@ -286,6 +286,110 @@ def test_invalid_arguments_are_rejected(ranks):
     assert "multiple process groups" in errors[4]
 
 
+# ---------------------------------------------------------------------- torch's own test, ported
+BEFORE_CONSTANT, AFTER_CONSTANT = 41, 42
+
+
+def _torch_port(rank: int, cases: List[tuple]) -> List[Any]:
+    """torch's test/distributed/algorithms/test_join.py (_test_join_base), through raycoll's
+    public names with torch CPU tensors; one entry per case: the total, post-hook values and
+    the error message (or None)."""
+    import torch
+
+    class TorchHook(raycoll.JoinHook):
+        def __init__(self, owner: Any, num_allreduces: int, run_post_hook: bool) -> None:
+            self.owner, self.num_allreduces, self.run_post_hook = owner, num_allreduces, run_post_hook
+
+        def main_hook(self) -> None:
+            for _ in range(self.num_allreduces):
+                raycoll.all_reduce(torch.zeros(1))
+
+        def post_hook(self, is_last_joiner: bool) -> None:
+            if not self.run_post_hook:
+                return
+            me = raycoll.get_rank(self.owner.process_group)
+            common = torch.tensor([me if is_last_joiner else -1])
+            raycoll.all_reduce(common, op=raycoll.ReduceOp.MAX, group=self.owner.process_group)
+            if me == int(common.item()):
+                self.owner.post_hook_tensor = torch.tensor([float(AFTER_CONSTANT)])
+            raycoll.broadcast(self.owner.post_hook_tensor, src=int(common.item()))
+
+    class TorchAllReducer(raycoll.Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+            self.process_group = None
+            self.post_hook_tensor = torch.tensor([float(BEFORE_CONSTANT)])
+
+        def __call__(self, num_allreduces: int = 1) -> float:
+            raycoll.Join.notify_join_context(self)
+            total = 0.0
+            for _ in range(num_allreduces):
+                t = torch.ones(1)
+                raycoll.all_reduce(t)
+                total += t.item()
+            return total
+
+        def join_hook(self, **kwargs: Any) -> raycoll.JoinHook:
+            return TorchHook(self, kwargs.get("num_allreduces", 1), kwargs.get("run_post_hooks", False))
+
+        @property
+        def join_device(self) -> Any:
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self) -> Any:
+            return self.process_group
+
+    out = []
+    for uneven, num_joinables, enable, throw, num_allreduces, run_post_hooks in cases:
+        allreducers = [TorchAllReducer() for _ in range(num_joinables)]
+        inputs = range(BASE + rank) if uneven else range(BASE)
+        total, message = 0.0, None
+        try:
+            with raycoll.Join(allreducers, enable=enable, throw_on_early_termination=throw,
+                              num_allreduces=num_allreduces, run_post_hooks=run_post_hooks):
+                for _ in inputs:
+                    for allreducer in allreducers:
+                        total += allreducer(num_allreduces)
+        except RuntimeError as exc:
+            message = str(exc)
+        out.append((total, [a.post_hook_tensor.item() for a in allreducers], message))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_torch_join_test_ported(ranks):
+    pytest.importorskip("torch")
+    world_size = 3
+    cases = {  # torch's test name: (uneven, num_joinables, enable, throw, num_allreduces, post)
+        "single_joinable_main_hooks": (True, 1, True, False, 1, False),
+        "single_joinable_post_hooks": (True, 1, True, False, 0, True),
+        "single_joinable": (True, 1, True, False, 1, True),
+        "multiple_joinables": (True, 3, True, False, 1, True),
+        "single_joinable_disable": (False, 1, False, False, 1, False),
+        "multiple_joinable_disable": (False, 3, False, False, 1, False),
+        "single_joinable_throw": (True, 1, True, True, 1, False),
+        "multiple_joinables_throw": (True, 3, True, True, 1, False),
+        "join_kwargs": (True, 1, True, False, 2, False),
+    }
+    results = ranks.run(_torch_port, world_size, list(cases.values()))
+    for rank, per_case in enumerate(results):
+        for (name, (uneven, joinables, enable, throw, allreduces, post)), got in zip(cases.items(), per_case):
+            total, post_values, message = got
+            if throw:
+                want = "Rank 0 exhausted all inputs." if rank == 0 else \
+                    "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+                assert message is not None and message.startswith(want), (name, rank, message)
+                continue
+            assert message is None, (name, rank, message)
+            expected = world_size * BASE
+            if uneven:
+                expected += sum(world_size - joined for joined in range(1, rank + 1))
+            assert total == expected * joinables * allreduces, (name, rank)
+            want_post = AFTER_CONSTANT if post else BEFORE_CONSTANT
+            assert post_values == [want_post] * joinables, (name, rank)
+
+
 # ---------------------------------------------------------------------- GradientAverager
 def _averager(rank: int, counts: List[int], use_torch: bool, divide_by_world: bool) -> Dict[str, Any]:
     w = np.zeros(3)
