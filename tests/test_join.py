@@ -162,13 +162,15 @@ def _on_subgroup(rank: int) -> Any:
     with raycoll.Join([joinable]):
         for _ in range(rank * 2):
             joinable.step()
-    return joinable.total, float(joinable.value[0]), joinable.is_last_joiner
+    status = raycoll.group_status(sub.name)
+    last_join = status["last_join"] if sorted(status["ranks"]) == [1, 2] else status
+    return joinable.total, float(joinable.value[0]), joinable.is_last_joiner, last_join["join_order"]
 
 
 @pytest.mark.timeout(120)
 def test_join_on_a_subgroup(ranks):
     # ranks 1 and 2 (2 and 4 inputs) on a subgroup; rank 0 is not in it
-    assert ranks.run(_on_subgroup, 3) == [None, (4.0, 2.0, False), (6.0, 2.0, True)]
+    assert ranks.run(_on_subgroup, 3) == [None, (4.0, 2.0, False, [1, 2]), (6.0, 2.0, True, [1, 2])]
 
 
 def _forgets_to_notify(rank: int) -> str:
@@ -497,6 +499,10 @@ def _init_named(rank: int, name: str) -> None:
     raycoll.all_reduce(np.ones(1), group=name)
 
 
+def _barrier(rank: int, name: str) -> None:
+    raycoll.barrier(group=name)
+
+
 def _leave_named(rank: int, name: str) -> None:
     raycoll.destroy_process_group(name)
 
@@ -512,6 +518,15 @@ def test_group_status_finds_a_group_formed_by_init_process_group(ray_local):
         assert {r: s["last_collective"] for r, s in status["ranks"].items()} == \
             {0: ("all_reduce", 1), 1: ("all_reduce", 1)}
         ray.get([a.run.remote(_leave_named, r, (name,), {}) for r, a in enumerate(actors)], timeout=30)
+        raycoll.create_group(actors, group_name=name + "-driver", timeout=60)  # from the driver
+        try:
+            ray.get([a.run.remote(_barrier, r, (name + "-driver",), {}) for r, a in enumerate(actors)],
+                    timeout=60)
+            status = raycoll.group_status(name + "-driver")
+            assert [s["last_collective"] for s in status["ranks"].values()] == [("barrier", 1)] * 2
+            assert status["subgroups"] == {} and status["broken"] is None
+        finally:
+            raycoll.destroy_group(name + "-driver")
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
