@@ -4,17 +4,24 @@
 ``is_success()``, ``exception()``, ``get_future()``, ``result()``, ``source_rank()``.
 A timeout in ``wait`` raises :class:`raycoll.errors.DistTimeoutError`, naming the ranks that
 had not arrived, and breaks the group (as an NCCL abort does in torch).
+
+Stream-ordered backends (NCCL) finish their host part at once and leave a
+:class:`DevicePending` (a CUDA event on the backend's stream) as the operation's value:
+``Work.wait()`` then makes the caller's current stream wait for that event, as torch does,
+and ``is_completed()`` queries it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
+from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Union
 
 from raycoll import errors
 
-__all__ = ["Work", "Future", "to_seconds"]
+__all__ = ["Work", "Future", "DevicePending", "to_seconds"]
 
 Timeout = Union[None, float, int, timedelta]
 
@@ -32,6 +39,36 @@ def to_seconds(timeout: Timeout, default: Optional[float] = None) -> Optional[fl
     if seconds <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     return seconds
+
+
+class DevicePending(ABC):
+    """Device work a stream-ordered backend has enqueued: done when its CUDA event fires.
+
+    ``source`` is the global rank a receive came from (``None`` for anything else).
+    """
+
+    source: Optional[int] = None
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the device work finished, or failed (never blocks)."""
+
+    @abstractmethod
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Make the calling thread's current stream wait for the work; raise its failure.
+
+        With ``timeout_s`` (or in the backend's blocking mode) the host blocks until the
+        work is done; past the deadline the communicator is aborted and
+        ``DistTimeoutError`` raised.
+        """
+
+    @abstractmethod
+    def exception(self) -> Optional[BaseException]:
+        """The failure of the work (a timeout, an abort), ``None`` if none (yet)."""
+
+    @abstractmethod
+    def add_done_callback(self, callback: Callable[[Optional[BaseException]], None]) -> None:
+        """Call ``callback(error_or_None)`` once the device work finished (at once if it has)."""
 
 
 class Future:
@@ -103,8 +140,9 @@ class Work:
     def wait(self, timeout: Timeout = None) -> bool:
         """Wait for completion; raise the operation's error; ``True`` on success."""
         seconds = to_seconds(timeout)
+        start = time.monotonic()
         try:
-            self._inner.result(seconds)
+            value = self._inner.result(seconds)
         except concurrent.futures.TimeoutError as exc:
             if self._inner.done():  # finished with a TimeoutError of its own
                 raise
@@ -113,32 +151,55 @@ class Work:
             raise errors.DistTimeoutError(
                 f"{self._describe} did not complete within {seconds:g}s"
             ) from exc
+        if isinstance(value, DevicePending):
+            left = None if seconds is None else max(seconds - (time.monotonic() - start), 1e-3)
+            value.wait(left)
         return True
 
+    def _pending(self) -> Optional[DevicePending]:
+        """The device work this operation left, once its host part is done (GPU backends)."""
+        if self._inner.done() and self._inner.exception() is None:
+            value = self._inner.result()
+            if isinstance(value, DevicePending):
+                return value
+        return None
+
     def is_completed(self) -> bool:
-        """True once the operation has finished, successfully or not (never blocks)."""
-        return self._inner.done()
+        """True once the operation has finished, successfully or not (never blocks); for
+        GPU work, once it finished on the device (its event is queried)."""
+        pending = self._pending()
+        return self._inner.done() and (pending is None or pending.query())
 
     def is_success(self) -> bool:
         """True if the operation has finished without an error (never blocks)."""
-        return self._inner.done() and self._inner.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self) -> Optional[BaseException]:
         """The error the operation raised, ``None`` if it succeeded or is still running."""
         if not self._inner.done():
             return None
+        pending = self._pending()
+        if pending is not None:
+            return pending.exception()
         return self._inner.exception()
 
     def get_future(self) -> Future:
         """A future completed with the output tensors (torch returns them as a list)."""
         out = Future()
 
-        def done(f: "concurrent.futures.Future[Any]") -> None:
-            exc = f.exception()
+        def settle(exc: Optional[BaseException]) -> None:
             if exc is not None:
                 out.set_exception(exc)
             else:
                 out.set_result(self._outputs)
+
+        def done(f: "concurrent.futures.Future[Any]") -> None:
+            exc = f.exception()
+            value = None if exc is not None else f.result()
+            if isinstance(value, DevicePending):  # complete once the device work is
+                value.add_done_callback(settle)
+            else:
+                settle(exc)
 
         self._inner.add_done_callback(done)
         return out
@@ -151,6 +212,8 @@ class Work:
     def source_rank(self) -> int:
         """For a receive: the global rank the message came from."""
         value = self._inner.result()
+        if isinstance(value, DevicePending):
+            value = value.source
         if not isinstance(value, int):
             raise RuntimeError(f"{self._describe} has no source rank")
         return value

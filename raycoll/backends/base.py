@@ -10,18 +10,24 @@ the call's timeout.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll.coordinator import CoordinatorClient
 from raycoll.reduce_op import ReduceOp, reduce_arrays
+from raycoll.work import DevicePending
 
-__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion"]
+__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion", "Outcome"]
 
 #: A posted point-to-point operation: call it to wait for completion (returns the source rank
-#: for receives, ``None`` for sends).
-Completion = Callable[[], Optional[int]]
+#: for receives, ``None`` for sends; a stream-ordered backend returns a ``DevicePending``).
+Completion = Callable[[], Union[Optional[int], DevicePending]]
+
+#: What a collective returns: ``None`` once done, or (stream-ordered backends such as NCCL)
+#: a ``DevicePending`` for the work it enqueued on a device stream.
+Outcome = Optional[DevicePending]
 
 
 @dataclass(frozen=True)
@@ -131,51 +137,61 @@ class CollectiveBackend(ABC):
     #: Device kinds this backend can serve ("cpu", "cuda").
     devices: Tuple[str, ...] = ()
 
+    #: True when operations only enqueue work on a device stream and return a
+    #: ``DevicePending`` (NCCL): the group then runs them in the caller's thread even with
+    #: ``async_op=True``, so that they reach the stream in issue order.
+    stream_ordered: bool = False
+
     def __init__(self, ctx: GroupContext) -> None:
         self.ctx = ctx
 
     @abstractmethod
-    def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> None: ...
+    def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None: ...
+    def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def broadcast(self, tensor: Any, src: int, call: Call) -> None: ...
+    def broadcast(self, tensor: Any, src: int, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> None: ...
+    def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> None: ...
+    def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def gather(self, tensor: Any, outputs: Optional[List[Any]], dst: int, call: Call) -> None: ...
+    def gather(self, tensor: Any, outputs: Optional[List[Any]], dst: int, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None: ...
+    def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None: ...
+    def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None: ...
+    def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> Outcome: ...
 
     @abstractmethod
-    def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> None: ...
+    def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> Outcome: ...
 
     @abstractmethod
     def all_to_all_single(self, output: Any, tensor: Any, output_splits: List[int],
-                          input_splits: List[int], call: Call) -> None: ...
+                          input_splits: List[int], call: Call) -> Outcome: ...
 
     @abstractmethod
-    def barrier(self, call: Call) -> None: ...
+    def barrier(self, call: Call) -> Outcome: ...
 
     @abstractmethod
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion: ...
 
     @abstractmethod
     def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion: ...
+
+    def batch_p2p(self) -> ContextManager[None]:
+        """Inside this context, sends and receives posted by this thread are issued together
+        (NCCL: one group call, so that a ring of sends and receives cannot deadlock)."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Release what the backend holds (communicators, streams). Idempotent."""
