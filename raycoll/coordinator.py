@@ -101,9 +101,12 @@ class _Receiver:
 class Coordinator:
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
-    def __init__(self, group_name: str, world_size: int) -> None:
+    def __init__(self, group_name: str, world_size: int, owned_by_ranks: bool = False) -> None:
         self._group_name = group_name
         self._world_size = world_size
+        # A coordinator started by ranks rendezvousing by name is detached (so that no rank's
+        # exit can take it down mid-run): it goes away when every rank has left or died.
+        self._owned_by_ranks = owned_by_ranks
         self._members: Dict[int, Dict[str, Any]] = {}
         self._formed = asyncio.Event()
         self._generation = 0
@@ -166,10 +169,15 @@ class Coordinator:
         })
 
     def leave(self, rank: int) -> Result:
-        """``rank`` destroyed its handle on the group; once all have, the group may re-form."""
+        """``rank`` destroyed its handle on the group; once all have, the group may re-form.
+
+        Returns ``{"all_left": bool}``: the last rank to leave a by-name group stops this
+        coordinator (a new one is started by the next rendezvous).
+        """
         self._left.add(rank)
         self._liveness_left(rank)
-        if self._left >= set(range(self._world_size)):
+        all_left = self._left >= set(range(self._world_size))
+        if all_left:
             self._liveness_reset(self._generation)
             self._members.clear()
             self._formed = asyncio.Event()
@@ -183,7 +191,12 @@ class Coordinator:
             self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
             self._kv_events.clear()
             self._reset.set()
-        return _ok()
+        return _ok({"all_left": all_left})
+
+    def _self_destruct_if_orphaned(self) -> None:
+        """A by-name coordinator whose ranks all died stops itself (nobody else will)."""
+        if self._owned_by_ranks and not self._members:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ key-value store
     def kv_set(self, key: str, value: Any) -> Result:
@@ -770,6 +783,7 @@ class Coordinator:
         for g in failed:  # counts as having left: the survivors can re-form the group by name
             if g not in self._left:
                 self.leave(g)
+        self._self_destruct_if_orphaned()
 
 
 # ====================================================================== liveness (module level)
@@ -849,15 +863,13 @@ def start_coordinator(group_name: str, world_size: int, actor_name: str,
             handle = ray.get_actor(actor_name)
         except ValueError:
             try:
-                handle = _RemoteCoordinator.options(name=actor_name).remote(group_name, world_size)
-                import os, sys; print("DBG created", os.getpid(), handle._actor_id.hex(), file=sys.stderr, flush=True)
+                handle = _RemoteCoordinator.options(name=actor_name, lifetime="detached").remote(
+                    group_name, world_size, True)
             except ValueError as exc:  # another rank created it between our two calls
-                import os, sys; print("DBG create failed", os.getpid(), exc, file=sys.stderr, flush=True)
                 last = exc
                 continue
         try:
             ray.get(handle.__ray_ready__.remote(), timeout=_START_TIMEOUT_S)
-            import os, sys; print("DBG start_coordinator", os.getpid(), handle._actor_id.hex(), file=sys.stderr, flush=True)
             return handle
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             last = exc

@@ -171,6 +171,11 @@ class ProcessGroup:
         """The name of the root group this (sub)group belongs to."""
         return self._root.name
 
+    @property
+    def by_name(self) -> bool:
+        """True for a root group formed by ``init_process_group`` (rendezvous by name)."""
+        return bool(self._root.options.get("by_name")) and self._parent is None
+
     def __repr__(self) -> str:
         return f"<raycoll.ProcessGroup {self._name!r} rank={self._rank} size={self.size()}>"
 
@@ -327,6 +332,7 @@ class ProcessGroup:
 
     def _execute(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None) -> Any:
         self.check_usable()
+        fn = self._guarded(call, fn)
         if self._debug:
             return self._execute_traced(call, fn, nbytes)
         try:
@@ -352,6 +358,31 @@ class ProcessGroup:
             debug.trace(rank=self.global_ranks[self._rank], group=self._name, op=call.op,
                         seq=call.seq, nbytes=nbytes, seconds=time.perf_counter() - start,
                         error=error)
+
+    def _guarded(self, call: Call, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn``, breaking the group if it fails with an unexpected (non-raycoll) error.
+
+        Such an error comes after the call was issued (arguments are checked before), so the
+        peers may be waiting for this rank inside the collective: they get GroupBrokenError
+        naming this rank and the error at once, instead of waiting out the timeout.
+        """
+        def guarded() -> Any:
+            try:
+                return fn()
+            except errors.RaycollError:
+                raise
+            except Exception as exc:
+                if self._broken is None:
+                    self._broken = exc
+                if self.size() > 1:
+                    me = self.global_ranks[self._rank]
+                    self._root.client.submit(
+                        "abort", self._name, "aborted",
+                        f"{call.op} #{call.seq} on group {self._name!r}: rank {me} failed inside "
+                        f"it ({type(exc).__name__}: {exc}); the group is broken", {})
+                raise
+
+        return guarded
 
     def _on_backend_failure(self, exc: BaseException) -> None:
         if self._broken is None:
@@ -500,7 +531,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     client = CoordinatorClient(spec.coordinator, spec.name)
     info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
-    pass  # client.hold_lease(rank, int(info.get("generation", 0)))
+    client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], dict(spec.options))
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,

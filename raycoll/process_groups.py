@@ -93,12 +93,24 @@ def init_process_group(
     if not ray.is_initialized():
         ray.init()
     job = ray.get_runtime_context().get_job_id()
-    handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
-                               get_if_exists=True)
-    spec = GroupSpec(group_name, size, backend, seconds, handle)
     with w.lock:
         make_default = w.default is None
-    return join_root_group(spec, me, make_default=make_default)
+    attempts = _RENDEZVOUS_ATTEMPTS
+    while True:
+        handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
+                                   get_if_exists=True)
+        spec = GroupSpec(group_name, size, backend, seconds, handle, {"by_name": True})
+        try:
+            return join_root_group(spec, me, make_default=make_default)
+        except errors.CoordinatorDiedError:
+            # The previous generation's last rank stopped this coordinator as we arrived:
+            # nothing was joined yet, so rendezvous again with a fresh one.
+            attempts -= 1
+            if attempts == 0:
+                raise
+
+
+_RENDEZVOUS_ATTEMPTS = 3
 
 
 def destroy_process_group(group: GroupLike = None) -> None:
@@ -124,11 +136,18 @@ def destroy_process_group(group: GroupLike = None) -> None:
 
 def _leave(pg: ProcessGroup) -> None:
     world().remove(pg.name, "destroy_process_group() was called")
-    if "/" not in pg.name:
-        try:
-            pg.context.client.submit("leave", pg.rank())
-        except Exception:  # noqa: BLE001 - the coordinator may already be gone
-            pass
+    if "/" in pg.name:
+        return
+    client = pg.context.client
+    try:
+        result = client.call("leave", pg.rank(), timeout_s=_LEAVE_TIMEOUT_S, op="leave")
+    except errors.RaycollError:
+        return  # the coordinator is already gone: nothing to leave
+    if pg.by_name and result and result.get("all_left"):
+        ray.kill(client.handle, no_restart=True)
+
+
+_LEAVE_TIMEOUT_S = 10.0
 
 
 def is_initialized() -> bool:
