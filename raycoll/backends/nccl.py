@@ -57,6 +57,8 @@ __all__ = ["NcclBackend", "ReducePlan", "reduce_plan", "AVG_MIN_VERSION", "BLOCK
 
 #: ``ncclAvg`` exists from NCCL 2.10 (version code 21000).
 AVG_MIN_VERSION = 21000
+#: How often the watchdog asks NCCL for asynchronous errors while work is in flight.
+ASYNC_ERROR_CHECK_S = 1.0
 #: Environment variable that turns on blocking waits (as ``TORCH_NCCL_BLOCKING_WAIT``).
 BLOCKING_ENV = "RAYCOLL_NCCL_BLOCKING_WAIT"
 
@@ -290,31 +292,51 @@ class _DeviceState:
             op.finish(None)
 
     def _watch_loop(self) -> None:
-        """Sleep until the earliest deadline (or a change); time out what is late."""
+        """Sleep until the earliest deadline (or a change); time out what is late. While work
+        is in flight, ask NCCL for asynchronous errors (a peer died, the network failed) every
+        ``ASYNC_ERROR_CHECK_S``, as torch's watchdog does: NCCL has no event for them."""
         while True:
+            expired: Optional[Tuple[_What, Optional[_Op]]] = None
             with self.cond:
-                while True:
-                    if self.closed or self.failed is not None:
-                        return
-                    candidates: List[Tuple[float, _What, Optional[_Op]]] = []
-                    if self.inflight:
-                        head = self.inflight[0]
-                        candidates.append((head.deadline, head.what, head))
-                    if self.enqueuing is not None:
-                        candidates.append((self.enqueuing[0], self.enqueuing[1], None))
-                    if not candidates:
-                        self.cond.wait()
-                        continue
-                    deadline, what, op = min(candidates, key=lambda c: c[0])
-                    now = time.monotonic()
-                    if deadline > now:
-                        self.cond.wait(deadline - now)
-                        continue
-                    break
-            if not self.time_out(what, what.timeout_s, op):
+                if self.closed or self.failed is not None:
+                    return
+                candidates: List[Tuple[float, _What, Optional[_Op]]] = []
+                if self.inflight:
+                    head = self.inflight[0]
+                    candidates.append((head.deadline, head.what, head))
+                if self.enqueuing is not None:
+                    candidates.append((self.enqueuing[0], self.enqueuing[1], None))
+                if not candidates:
+                    self.cond.wait()
+                    continue
+                deadline, what, op = min(candidates, key=lambda c: c[0])
+                now = time.monotonic()
+                if deadline > now:
+                    self.cond.wait(min(deadline - now, ASYNC_ERROR_CHECK_S))
+                else:
+                    expired = (what, op)
+                comm = self.comm
+            if expired is None:
+                self._check_async_error(comm, what)
+                continue
+            if not self.time_out(expired[0], expired[0].timeout_s, expired[1]):
                 with self.cond:  # it finished just now: wait for the sync thread to settle it
-                    if self.inflight and self.inflight[0] is op and not self.closed:
+                    if self.inflight and self.inflight[0] is expired[1] and not self.closed:
                         self.cond.wait()
+
+    def _check_async_error(self, comm: Any, what: _What) -> None:
+        if comm is None:
+            return
+        try:
+            comm.check_async_error()
+        except Exception as exc:  # noqa: BLE001 - NcclError: the communicator is unusable
+            err = errors.GroupBrokenError(
+                f"{what} on group {self.backend.ctx.group_name!r}: NCCL reported an error on "
+                f"cuda:{self.device}: {exc} (a peer rank died or the network failed); the "
+                "communicator was aborted and the group is broken (destroy it and form it "
+                "again)", **self.backend.err_ctx(what))
+            err.__cause__ = exc
+            self.fail(err, what)
 
     # -- waiting and failing
     def wait(self, op: _Op, array: GpuArray, timeout_s: Optional[float]) -> None:
