@@ -67,6 +67,11 @@ INLINE_BYTES = 64 * 1024
 #: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
 #: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
 DIRECT_BYTES = 1 << 20
+#: Arrays are put as segments of at most this size. Ray copies a large buffer into the store
+#: with several threads started per copy, which on a loaded or small machine is several times
+#: slower than one ``memcpy`` per segment (measured: 32 MiB in ~40 ms vs ~8 ms; see
+#: benchmarks/BENCHMARKS.md).
+SEGMENT_BYTES = 8 << 20
 
 _ALGOS = ("inline", "direct", "rs_ag")
 _PUTS = ("auto", "combined", "per_peer")
@@ -78,9 +83,11 @@ _LOST = (
     ray.exceptions.ObjectReconstructionFailedError,
 )
 
-#: What one rank sends another in a step: an inline array, a whole object, or one array of
-#: an object that holds a list of arrays.
+#: What one rank sends another in a step: an inline array, or ``(ref, start, stop)``: the
+#: segments ``start:stop`` of an object that holds a list of flat segments.
 Payload = Any
+#: A received piece: flat segments that, concatenated, are the sender's array.
+Segments = List[np.ndarray]
 
 
 def _meta(arr: np.ndarray) -> Any:
@@ -95,16 +102,45 @@ def _flat_out(arr: np.ndarray) -> Iterator[np.ndarray]:
         return
     tmp = np.ascontiguousarray(arr)
     yield tmp.reshape(-1)
-    np.copyto(arr, tmp)
+    np.copyto(arr, tmp.reshape(arr.shape))
 
 
 def _flat_in(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    if not np.shares_memory(dst, src):
-        np.copyto(dst, src.reshape(dst.shape))
+def _split(flat: np.ndarray, segment_bytes: int) -> Segments:
+    """Views of ``flat`` of at most ``segment_bytes`` each (at least one)."""
+    step = max(1, segment_bytes // max(1, flat.itemsize))
+    if flat.size <= step:
+        return [flat]
+    return [flat[i:i + step] for i in range(0, flat.size, step)]
+
+
+def _spans(segs: Segments) -> Iterator[Tuple[int, int, np.ndarray]]:
+    offset = 0
+    for seg in segs:
+        yield offset, offset + seg.size, seg
+        offset += seg.size
+
+
+def _copy_into(dst: np.ndarray, segs: Segments) -> None:
+    """Copy the concatenated ``segs`` into ``dst`` (any shape, contiguous or not)."""
+    if len(segs) == 1 and np.shares_memory(dst, segs[0]):
+        return
+    with _flat_out(dst) as flat:
+        for lo, hi, seg in _spans(segs):
+            np.copyto(flat[lo:hi], seg)
+
+
+def _reduce_into(op: ReduceOp, out: np.ndarray, segs: Segments,
+                 first: Optional[np.ndarray] = None) -> None:
+    """``out = out (op) segs``; or, with ``first``, ``out = first (op) segs`` in one pass."""
+    for lo, hi, seg in _spans(segs):
+        if first is None:
+            combine(op, out[lo:hi], seg)
+        else:
+            _combine_into(op, out[lo:hi], first[lo:hi], seg)
 
 
 class ObjstoreBackend(CollectiveBackend):
@@ -117,6 +153,7 @@ class ObjstoreBackend(CollectiveBackend):
         opts = ctx.options
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
         self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
+        self.segment_bytes = int(opts.get("segment_bytes", SEGMENT_BYTES))
         algo = opts.get("all_reduce_algo")
         if algo is not None and algo not in _ALGOS:
             raise ValueError(f"group option all_reduce_algo: expected one of {_ALGOS} or None, "
@@ -129,6 +166,16 @@ class ObjstoreBackend(CollectiveBackend):
         self.combined = put == "combined" or (put == "auto" and ctx.single_node)
 
     # ------------------------------------------------------------------ publishing
+    def _put(self, arrays: Sequence[np.ndarray]) -> Tuple[Any, List[Tuple[int, int]]]:
+        """One object holding ``arrays`` as flat segments; each array's segment range."""
+        segs: Segments = []
+        ranges = []
+        for arr in arrays:
+            start = len(segs)
+            segs.extend(_split(_flat_in(arr), self.segment_bytes))
+            ranges.append((start, len(segs)))
+        return ray.put(segs), ranges
+
     def _publish(self, pieces: Dict[int, np.ndarray]) -> List[Payload]:
         """Per-destination payloads for ``pieces`` (group rank -> array); ``None`` elsewhere.
 
@@ -142,14 +189,15 @@ class ObjstoreBackend(CollectiveBackend):
         if total <= self.inline_bytes:
             for j, a in pieces.items():
                 sent[j] = a
-        elif self.combined and len(pieces) > 1:
+        elif self.combined:
             order = sorted(pieces)
-            ref = ray.put([pieces[j] for j in order])
-            for i, j in enumerate(order):
-                sent[j] = (ref, i)
+            ref, ranges = self._put([pieces[j] for j in order])
+            for j, (lo, hi) in zip(order, ranges):
+                sent[j] = (ref, lo, hi)
         else:
             for j, a in pieces.items():
-                sent[j] = ray.put(a)
+                ref, ((lo, hi),) = self._put([a])
+                sent[j] = (ref, lo, hi)
         return sent
 
     def _publish_same(self, arr: np.ndarray, to: Sequence[int]) -> List[Payload]:
@@ -157,36 +205,37 @@ class ObjstoreBackend(CollectiveBackend):
         sent: List[Payload] = [None] * self.ctx.size
         if not to:
             return sent
-        payload: Payload = arr if arr.nbytes <= self.inline_bytes else ray.put(arr)
+        payload: Payload = arr
+        if arr.nbytes > self.inline_bytes:
+            ref, ((lo, hi),) = self._put([arr])
+            payload = (ref, lo, hi)
         for j in to:
             sent[j] = payload
         return sent
 
     # ------------------------------------------------------------------ reading
-    def _fetch(self, got: Sequence[Payload], call: Call) -> Dict[int, np.ndarray]:
-        """The arrays behind the payloads received in a step, by source group rank.
+    def _fetch(self, got: Sequence[Payload], call: Call) -> Dict[int, Segments]:
+        """The segments behind the payloads received in a step, by source group rank.
 
         Objects are fetched in one ``ray.get`` (pulled in parallel across nodes; mapped
         zero-copy, read-only, on the same node).
         """
-        out: Dict[int, np.ndarray] = {}
+        out: Dict[int, Segments] = {}
         refs: List[Any] = []
-        where: List[Tuple[int, Optional[int]]] = []
+        where: List[Tuple[int, int, int]] = []
         for s, payload in enumerate(got):
             if payload is None:
                 continue
-            if isinstance(payload, ray.ObjectRef):
-                refs.append(payload)
-                where.append((s, None))
-            elif isinstance(payload, tuple):
-                refs.append(payload[0])
-                where.append((s, int(payload[1])))
+            if isinstance(payload, tuple):
+                ref, lo, hi = payload
+                refs.append(ref)
+                where.append((s, int(lo), int(hi)))
             else:
-                out[s] = payload
+                out[s] = [np.asarray(payload).reshape(-1)]
         if refs:
-            values = self._get(refs, [s for s, _ in where], call)
-            for (s, index), value in zip(where, values):
-                out[s] = value if index is None else value[index]
+            values = self._get(refs, [s for s, _, _ in where], call)
+            for (s, lo, hi), value in zip(where, values):
+                out[s] = list(value[lo:hi])
         return out
 
     def _get(self, refs: List[Any], sources: List[int], call: Call) -> List[Any]:
@@ -213,26 +262,21 @@ class ObjstoreBackend(CollectiveBackend):
     # ------------------------------------------------------------------ steps
     def _reduce_scatter_step(self, pieces: Sequence[np.ndarray], out: np.ndarray, op: ReduceOp,
                              call: Call, step: int) -> List[Payload]:
-        """Send ``pieces[j]`` to rank j; reduce what every rank sent us, plus ours, into ``out``.
-
-        Returns our published payloads: keep them referenced until the peers are done.
+        """Send ``pieces[j]`` to rank j; reduce what every rank sent us, plus ours, into ``out``
+        (flat). Returns our payloads: keep them referenced until the peers are done.
         """
         me, size = self.ctx.rank, self.ctx.size
         sent = self._publish({j: pieces[j] for j in range(size) if j != me})
         got = self.ctx.exchange(call, step, sent)
-        arrays = self._fetch(got, call)
-        own = pieces[me].reshape(out.shape)
-        first = True
-        for s in sorted(arrays):
-            other = arrays[s].reshape(out.shape)
-            if first and not np.shares_memory(out, own):
-                _combine_into(op, out, own, other)
-            else:
-                combine(op, out, other)
-            first = False
-        if first:
-            _copy(out, own)
-        del arrays
+        received = self._fetch(got, call)
+        own = _flat_in(pieces[me])
+        first: Optional[np.ndarray] = None if np.shares_memory(out, own) else own
+        for s in sorted(received):
+            _reduce_into(op, out, received[s], first)
+            first = None
+        if first is not None:
+            np.copyto(out, first)
+        del received
         finalize(op, out, size)
         return sent
 
@@ -244,11 +288,11 @@ class ObjstoreBackend(CollectiveBackend):
         got = self.ctx.exchange(call, step, self._publish_same(mine, to))
         if root is not None and me != root:
             return
-        arrays = self._fetch(got, call)
-        _copy(outs[me], mine)
-        for s, arr in arrays.items():
-            _copy(outs[s], arr)
-        del arrays
+        received = self._fetch(got, call)
+        _copy_into(outs[me], [_flat_in(mine)])
+        for s, segs in received.items():
+            _copy_into(outs[s], segs)
+        del received
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce_algo(self, nbytes: int) -> str:
@@ -282,22 +326,28 @@ class ObjstoreBackend(CollectiveBackend):
                 del sent
 
     def _direct_all_reduce(self, flat: np.ndarray, op: ReduceOp, call: Call) -> None:
-        """One step: each rank puts its buffer once and reduces all of them, in rank order."""
+        """One step: each rank puts its buffer once and reduces all of them in rank order (so
+        every rank computes bitwise the same result)."""
         me, size = self.ctx.rank, self.ctx.size
-        own: Payload = ray.put(flat)
-        got = self.ctx.exchange(call, 0, [None if j == me else own for j in range(size)])
-        arrays = self._fetch(got, call)
-        # Our own term: the buffer itself while it is not yet overwritten, else our object.
-        arrays[me] = flat if me <= 1 else self._get([own], [me], call)[0]
-        if me != 0:
-            _combine_into(op, flat, arrays[0], arrays[1])
+        sent = self._publish_same(flat, [j for j in range(size) if j != me])
+        got = self.ctx.exchange(call, 0, sent)
+        terms = self._fetch(got, call)
+        if me == 0:
+            _reduce_into(op, flat, terms[1])
+        elif me == 1:
+            _reduce_into(op, flat, terms[0])  # x1 (op) x0 == x0 (op) x1: every op commutes
         else:
-            combine(op, flat, arrays[1])
+            # Our buffer is overwritten by x0 (op) x1 first: read our own term from our object.
+            mine = sent[0]
+            terms[me] = (self._fetch([mine], call)[0] if isinstance(mine, tuple)
+                         else [np.array(flat)])
+            for (lo, hi, a), (_, _, b) in zip(_spans(terms[0]), _spans(terms[1])):
+                _combine_into(op, flat[lo:hi], a, b)
         for s in range(2, size):
-            combine(op, flat, arrays[s])
-        del arrays
+            _reduce_into(op, flat, terms[s])
+        del terms
         finalize(op, flat, size)
-        del own
+        del sent
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
@@ -341,14 +391,13 @@ class ObjstoreBackend(CollectiveBackend):
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
         if me == src:
-            sent = self._publish_same(_flat_in(arr), [j for j in range(size) if j != me])
+            sent = self._publish_same(arr, [j for j in range(size) if j != me])
             self.ctx.exchange(call, 0, sent)
             return
         got = self.ctx.exchange(call, 0, None)
-        with _flat_out(arr) as flat:
-            data = self._fetch(got, call)
-            _copy(flat, data[src])
-            del data
+        received = self._fetch(got, call)
+        _copy_into(arr, received[src])
+        del received
 
     def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> None:
         mine = host_view(tensor)
@@ -372,14 +421,14 @@ class ObjstoreBackend(CollectiveBackend):
         me, size = self.ctx.rank, self.ctx.size
         if me == src:
             arrays = [host_view(t) for t in inputs or []]
-            self.ctx.exchange(call, 0, self._publish({j: arrays[j] for j in range(size)
-                                                      if j != me}))
-            _copy(out, arrays[me])
+            sent = self._publish({j: arrays[j] for j in range(size) if j != me})
+            self.ctx.exchange(call, 0, sent)
+            _copy_into(out, [_flat_in(arrays[me])])
             return
         got = self.ctx.exchange(call, 0, None)
-        data = self._fetch(got, call)
-        _copy(out, data[src])
-        del data
+        received = self._fetch(got, call)
+        _copy_into(out, received[src])
+        del received
 
     def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> None:
         ins = [host_view(t) for t in inputs]
@@ -404,20 +453,21 @@ class ObjstoreBackend(CollectiveBackend):
         me, size = self.ctx.rank, self.ctx.size
         sent = self._publish({j: ins[j] for j in range(size) if j != me})
         got = self.ctx.exchange(call, 0, sent, send_meta=send_meta, recv_meta=recv_meta)
-        _copy(outs[me], ins[me])
-        data = self._fetch(got, call)
-        for s, arr in data.items():
-            _copy(outs[s], arr)
-        del data
+        _copy_into(outs[me], [_flat_in(ins[me])])
+        received = self._fetch(got, call)
+        for s, segs in received.items():
+            _copy_into(outs[s], segs)
+        del received
 
     def barrier(self, call: Call) -> None:
         self.ctx.exchange(call, 0, None)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
-        arr = np.ascontiguousarray(host_view(tensor))
+        arr = host_view(tensor)
         # inline: snapshot now, the caller may reuse its buffer before the message is matched
-        payload = arr.copy() if arr.nbytes <= self.inline_bytes else ray.put(arr)
+        payload: Payload = (np.array(arr) if arr.nbytes <= self.inline_bytes
+                            else self._publish_same(arr, [dst])[dst])
         ref = self.ctx.p2p_send(dst, tag, _meta(arr), payload, timeout_s)
         group = self.ctx
 
@@ -439,9 +489,9 @@ class ObjstoreBackend(CollectiveBackend):
                 rank=self.ctx.global_ranks[self.ctx.rank])
             got: List[Payload] = [None] * self.ctx.size
             got[int(sender)] = payload
-            data = self._fetch(got, call)
-            _copy(arr, data[int(sender)])
-            del data
+            received = self._fetch(got, call)
+            _copy_into(arr, received[int(sender)])
+            del received
             return int(sender)
 
         return wait
