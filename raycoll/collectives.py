@@ -66,6 +66,10 @@ def _run(op: str, group: GroupLike, async_op: bool, prepare: Callable[[ProcessGr
 
 def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
     info = describe(value, name)
+    if info.dtype == "object":
+        raise TypeError(f"{name} has dtype object: tensors hold numbers (or bool, str, dates); "
+                        "send Python objects with the *_object collectives (e.g. "
+                        "all_gather_object)")
     if writable and not info.writable:
         raise ValueError(
             f"{name} is read-only (arrays returned by ray.get are read-only views of the object "
@@ -137,6 +141,12 @@ def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int
         raise ValueError(f"{name}={global_rank} is not a rank of group {pg.name!r} "
                          f"(its global ranks: {list(pg.global_ranks)})")
     return pg.global_ranks.index(int(global_rank))
+
+
+def _given(value: Any) -> bool:
+    """Whether a root-only list argument was given (``None`` and ``[]`` mean not given);
+    never asks an array for its truth value."""
+    return value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0)
 
 
 def _backend(pg: ProcessGroup, info: TensorInfo) -> CollectiveBackend:
@@ -263,14 +273,15 @@ def gather(tensor: Tensor, gather_list: Optional[List[Tensor]] = None, dst: Opti
             if gather_list is None:
                 raise ValueError("gather_list is required on the destination rank")
             _tensor_list(gather_list, "gather_list", pg.size(), writable=True, like=info)
-        elif gather_list:
+        elif _given(gather_list):
             raise ValueError("gather_list must not be given on a non-destination rank")
         backend = _backend(pg, info)
         fp = {"dtype": info.dtype, "shape": info.shape, "root": root, "device": info.device}
         outs = list(gather_list) if pg.rank() == root and gather_list is not None else None
         return fp, lambda call: backend.gather(tensor, outs, root, call)
 
-    return _run("gather", group, async_op, prepare, list(gather_list or []))
+    return _run("gather", group, async_op, prepare,
+                list(gather_list) if isinstance(gather_list, (list, tuple)) else [])
 
 
 def scatter(tensor: Tensor, scatter_list: Optional[List[Tensor]] = None, src: Optional[int] = None,
@@ -285,7 +296,7 @@ def scatter(tensor: Tensor, scatter_list: Optional[List[Tensor]] = None, src: Op
             if scatter_list is None:
                 raise ValueError("scatter_list is required on the source rank")
             _tensor_list(scatter_list, "scatter_list", pg.size(), like=info)
-        elif scatter_list:
+        elif _given(scatter_list):
             raise ValueError("scatter_list must not be given on a non-source rank")
         backend = _backend(pg, info)
         fp = {"dtype": info.dtype, "shape": info.shape, "root": root, "device": info.device}
@@ -453,9 +464,10 @@ def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: in
         return None
     name = "src" if receive else "dst"
     gp = _peer(pg, peer, group_peer, name, f"group_{name}", required=not receive)
-    if not receive and gp == pg.rank():
-        raise ValueError(f"{op}: dst={peer if peer is not None else group_peer} is this rank; "
-                         "a rank cannot send to itself")
+    if gp is not None and gp == pg.rank():
+        given = peer if peer is not None else group_peer
+        raise ValueError(f"{op}: {name}={given} is this rank; a rank cannot "
+                         f"{'receive from' if receive else 'send to'} itself")
     if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
         raise TypeError(f"tag must be an int, got {tag!r}")
     info = _tensor(tensor, "tensor", writable=receive)
@@ -595,7 +607,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None,
                        else type(object_gather_list).__name__)
                 raise ValueError(f"object_gather_list on the destination rank must be a list "
                                  f"with one slot per rank ({pg.size()}), got {got}")
-        elif object_gather_list:
+        elif _given(object_gather_list):
             raise ValueError("object_gather_list must not be given on a non-destination rank")
         ref = objects.put(obj, "obj")
         return {"root": root}, lambda call: objects.gather(pg.context, call, ref, root,

@@ -321,6 +321,42 @@ def test_create_group_with_a_dead_actor_fails_fast_and_frees_the_others(actors):
         raycoll.destroy_group(name)
 
 
+def _barrier_failing_on(rank: int, group: str, bad_rank: int) -> Dict[str, Any]:
+    """barrier, where ``bad_rank``'s backend raises an unexpected error inside it."""
+    from raycoll.backends.objstore import ObjstoreBackend
+
+    original = ObjstoreBackend.barrier
+
+    def broken(self: Any, call: Any) -> None:
+        raise RuntimeError("injected failure inside the backend")
+
+    if rank == bad_rank:
+        ObjstoreBackend.barrier = broken  # type: ignore[method-assign]
+    start = time.time()
+    try:
+        raycoll.barrier(group=group)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return _outcome(exc, start)
+    finally:
+        ObjstoreBackend.barrier = original  # type: ignore[method-assign]
+    return {"ok": True}
+
+
+@pytest.mark.timeout(120)
+def test_unexpected_error_inside_a_collective_fails_the_peers_at_once(actors, form):
+    """A rank whose backend fails mid-collective (after the call was issued) must not leave
+    its peers waiting for the timeout: they get GroupBrokenError naming it and the error."""
+    team, name = form(actors.pool[:3])
+    results = ray.get([_run(a, _barrier_failing_on, r, name, 1) for r, a in enumerate(team)],
+                      timeout=60)
+    assert results[1]["type"] == "RuntimeError", results[1]
+    for r in (0, 2):
+        assert results[r]["type"] == "GroupBrokenError", results[r]
+        assert "rank 1 failed inside it" in results[r]["msg"], results[r]["msg"]
+        assert "injected failure" in results[r]["msg"], results[r]["msg"]
+        assert results[r]["elapsed"] < DETECT_S, results[r]
+
+
 # ---------------------------------------------------------------------- timeouts
 @pytest.mark.timeout(120)
 def test_stalled_rank_times_out_naming_it_and_its_last_collective(actors, form):
