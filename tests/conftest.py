@@ -41,3 +41,19 @@ def ranks(ray_local):
     yield pool
     if ray.is_initialized():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), custom resources
+    ``node0`` / ``node1`` to place actors on each. Replaces the session's local Ray."""
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node0": 8}, "object_store_memory": 400 * 1024 ** 2})
+    cluster.add_node(num_cpus=2, resources={"node1": 8}, object_store_memory=400 * 1024 ** 2)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
