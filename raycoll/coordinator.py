@@ -631,6 +631,17 @@ class Coordinator:
         """The global ranks found dead in this generation, with the reason."""
         return _ok(dict(self._dead))
 
+    def state_sizes(self) -> Result:
+        """How many entries the coordinator holds per table (a leak check for soak runs)."""
+        return _ok({
+            "rounds": len(self._rounds), "groups": len(self._groups), "broken": len(self._broken),
+            "mail": sum(len(q) for q in self._mail.values()),
+            "receivers": sum(len(q) for q in self._waiting.values()),
+            "kv": len(self._kv), "leases": len(self._leases),
+            "lease_watchers": len(self._lease_watchers), "waits": len(self._waits),
+            "probes": sum(1 for t in self._probes.values() if not t.done()),
+        })
+
     def _lease_future(self, rank: int, generation: int) -> "asyncio.Future[None]":
         key = (generation, rank)
         future = self._leases.get(key)
