@@ -809,9 +809,13 @@ def _death_cause(exc: BaseException) -> str:
     """A one-line reason from a Ray actor-death error (its message spans many lines)."""
     text = str(exc)
     fields = dict(re.findall(r"^\s*(class_name|pid|ip): (\S+)$", text, flags=re.MULTILINE))
-    because = re.search(r"The actor is dead because (.+?)(?:\.\s|\.$|$)", text, flags=re.DOTALL)
+    because = re.search(r"The actor (?:is dead|died) because (.+?)(?:\.\s|\.$|$)", text,
+                        flags=re.DOTALL)
     reason = because.group(1).strip() if because else type(exc).__name__
-    where = ", ".join(f"{k} {fields[k]}" for k in ("class_name", "pid", "ip") if k in fields)
+    node = re.search(r"Node Id: ([0-9a-f]{8})", text)
+    if node:
+        fields["node"] = node.group(1)
+    where = ", ".join(f"{k} {fields[k]}" for k in ("class_name", "pid", "ip", "node") if k in fields)
     return f"{reason}" + (f" (actor {where})" if where else "")
 
 
@@ -867,15 +871,17 @@ def start_coordinator(group_name: str, world_size: int, actor_name: str,
     by name if it is not.
     """
     if not get_if_exists:
-        return _RemoteCoordinator.options(name=actor_name).remote(group_name, world_size)
+        return _RemoteCoordinator.options(name=actor_name, scheduling_strategy=_here()).remote(
+            group_name, world_size)
     last: Optional[BaseException] = None
     for _ in range(_START_ATTEMPTS):
         try:
             handle = ray.get_actor(actor_name)
         except ValueError:
             try:
-                handle = _RemoteCoordinator.options(name=actor_name, lifetime="detached").remote(
-                    group_name, world_size, True)
+                handle = _RemoteCoordinator.options(
+                    name=actor_name, lifetime="detached", scheduling_strategy=_here(),
+                ).remote(group_name, world_size, True)
             except ValueError as exc:  # another rank created it between our two calls
                 last = exc
                 continue
@@ -891,6 +897,18 @@ def start_coordinator(group_name: str, world_size: int, actor_name: str,
 
 _START_ATTEMPTS = 5
 _START_TIMEOUT_S = 60.0
+
+
+def _here() -> Any:
+    """Place the coordinator on the node of the process that starts it (the driver, for
+    create_group), not on any node: a zero-CPU actor could otherwise land on a worker node,
+    and losing that node would take the whole group's control plane with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # hard affinity: soft=True lets Ray 2.60 place it elsewhere even when this node is free;
+    # this node is alive (we run on it) and the actor needs no CPU.
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                          soft=False)
 
 
 _ERRORS = {
