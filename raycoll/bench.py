@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -66,6 +68,7 @@ _PEERS: Dict[str, Callable[[], Peer]] = {"gloo": GlooPeer, "ray-collective": Ray
 _NODE_SLOT = "raycoll_bench_rank_slot"
 _PEER_SLOT = "raycoll_bench_peer_slot"
 _FAR_NODE = "raycoll_bench_far_node"
+_FREE_PERIOD_ENV = "RAY_free_objects_period_milliseconds"
 
 #: The fields of every row in ``--json`` output, in order.
 ROW_FIELDS: Tuple[str, ...] = (
@@ -392,6 +395,60 @@ class _Progress:
             sys.stderr.flush()
 
 
+# ---------------------------------------------------------------------- object-store memory
+class StoreSampler:
+    """Samples the object store's bytes in use, summed over all nodes, from a driver thread.
+
+    Asks a raylet for its global memory info (what ``ray memory --stats-only`` prints) as fast
+    as it answers (every few milliseconds): the peak it reports during an operation is the
+    largest sample, so a lower bound of the true peak that is close to it when an operation
+    lasts several sampling periods.
+    """
+
+    def __init__(self) -> None:
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+        node = next(n for n in ray.nodes() if n["Alive"])
+        address = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
+        self._stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address))
+        self._request = node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.peak = 0
+
+    def used(self) -> int:
+        """Bytes in use in the object stores of all nodes now."""
+        reply = self._stub.FormatGlobalMemoryInfo(self._request, timeout=30.0)
+        return int(reply.store_stats.object_store_bytes_used)
+
+    def start(self) -> None:
+        self.peak = self.used()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="raycoll-bench-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.used())
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+        return self.peak
+
+    def settle(self, baseline: int, within_s: float = 2.0) -> Tuple[int, float]:
+        """Bytes in use once back at ``baseline`` (or after ``within_s``), and how long it took
+        (Ray frees objects asynchronously once their last reader drops them)."""
+        start = time.perf_counter()
+        used = self.used()
+        while used > baseline and time.perf_counter() - start < within_s:
+            self._stop.wait(0.02)  # a measurement interval, not a wait for an event
+            used = self.used()
+        return used, time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------- driver side
 @dataclass
 class Options:
@@ -410,8 +467,21 @@ class Options:
     vs: Optional[str] = None
     group_options: Dict[str, Any] = field(default_factory=dict)
     baselines: bool = False
+    memory: bool = False
+    free_period_ms: int = 10
     object_store_mb: Optional[int] = None
     progress: bool = True
+
+
+def configure_ray_env(opts: Options) -> None:
+    """Settings for a Ray this run starts (none when Ray is already up in this process).
+
+    Ray frees unused objects in batches, by default once a second; until then each put lands in
+    store memory not touched lately, which costs page faults (large puts ~3x slower on the
+    reference machine). The raylets read the period from the environment; a user's value wins.
+    """
+    if opts.free_period_ms > 0 and not ray.is_initialized() and not opts.address:
+        os.environ.setdefault(_FREE_PERIOD_ENV, str(opts.free_period_ms))
 
 
 class _Ray:
@@ -428,6 +498,7 @@ class _Ray:
                                  "--nodes starts its own local cluster and needs it not to be")
             return
         store = opts.object_store_mb
+        configure_ray_env(opts)
         if opts.nodes > 1:
             from ray.cluster_utils import Cluster
 
@@ -447,8 +518,9 @@ class _Ray:
         elif opts.address:
             ray.init(address=opts.address, log_to_driver=False)
         else:
-            kwargs: Dict[str, Any] = {"num_cpus": max(2, most), "include_dashboard": False,
-                                      "log_to_driver": False}
+            # address="local": a new embedded Ray even when a `ray start` cluster is running.
+            kwargs: Dict[str, Any] = {"address": "local", "num_cpus": max(2, most),
+                                      "include_dashboard": False, "log_to_driver": False}
             if store:
                 kwargs["object_store_memory"] = store << 20
             ray.init(**kwargs)
@@ -532,6 +604,7 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
     rows: List[Row] = []
     itemsize = np.dtype(opts.dtype).itemsize
     progress = _Progress(len(_jobs(opts)), opts.progress)
+    sampler = StoreSampler() if opts.memory else None
     try:
         rtt_before = _rtt_us() if opts.baselines else None
         for world_size in opts.world_sizes:
@@ -549,10 +622,18 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
                         continue
                     count = element_count(op, nbytes, itemsize, world_size)
                     real = run_bytes(op, count, itemsize, world_size)
+                    if sampler is not None:
+                        baseline = sampler.used()
+                        sampler.start()
                     times, wrong = ranks.run(op, count, opts.dtype, opts.iters, opts.warmup,
                                              opts.check)
                     row = make_row(op, real, count, opts.dtype, world_size, ranks.nodes,
                                    opts.backend, times, wrong)
+                    if sampler is not None:
+                        peak = sampler.stop()
+                        after, settle_s = sampler.settle(baseline)
+                        row.extra.update(store_baseline_bytes=baseline, store_peak_bytes=peak,
+                                         store_after_bytes=after, store_settle_ms=settle_s * 1e3)
                     if peer is not None:
                         _add_peer(row, peer, op, real, opts)
                     rows.append(row)
@@ -615,16 +696,24 @@ def header(opts: Options) -> str:
         f"# raycoll-bench: backend={opts.backend} dtype={opts.dtype} iters={opts.iters} "
         f"warmup={opts.warmup} check={'on' if opts.check else 'off'} nodes={opts.nodes}"
         + (f" vs={peer}" if peer else "")
-        + (f" options={opts.group_options}" if opts.group_options else ""),
+        + (f" options={opts.group_options}" if opts.group_options else "")
+        + (f" {_FREE_PERIOD_ENV}={os.environ[_FREE_PERIOD_ENV]}"
+           if _FREE_PERIOD_ENV in os.environ else ""),
         "# time: median over iterations of the slowest rank; algbw = bytes/time; "
         "busbw = algbw * nccl-tests factor",
     ]
     if peer:
         lines.append(f"# ratio = {peer} time / raycoll time (> 1: raycoll is faster)")
+    if opts.memory:
+        lines.append("# store+: peak object-store use above the baseline during the row (sampled); "
+                     "after: above the baseline once the row is done")
     cols = (f"#{'op':>22} {'ranks':>5} {'size':>12} {'count':>11} {'type':>8} "
             f"{'time':>10} {'min':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7}")
     units = (f"#{'':>22} {'':>5} {'(B)':>12} {'(elements)':>11} {'':>8} "
              f"{'(us)':>10} {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}")
+    if opts.memory:
+        cols += f" {'store+':>9} {'after':>9}"
+        units += f" {'(MiB)':>9} {'(MiB)':>9}"
     if peer:
         cols += f" {peer:>14} {'ratio':>7}"
         units += f" {'(us)':>14} {'':>7}"
@@ -636,6 +725,10 @@ def format_row(row: Row, with_peer: bool) -> str:
     text = (f" {row.op:>22} {row.world_size:>5} {row.bytes:>12} {row.count:>11} {row.dtype:>8} "
             f"{row.time_us:>10.1f} {row.min_us:>10.1f} {row.algbw:>7.2f} {row.busbw:>7.2f} "
             f"{wrong:>7}")
+    if "store_peak_bytes" in row.extra:
+        mib = 1 << 20
+        text += (f" {(row.extra['store_peak_bytes'] - row.extra['store_baseline_bytes']) / mib:>9.1f}"
+                 f" {(row.extra['store_after_bytes'] - row.extra['store_baseline_bytes']) / mib:>9.1f}")
     if with_peer:
         if row.peer_time_us is None:
             text += f" {'n/a':>14} {'':>7}"
@@ -742,8 +835,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baselines", action="store_true",
                    help="also measure Ray's floors: an actor-call round trip and a plain "
                         "ray.get of the largest size (cross-node with --nodes)")
+    p.add_argument("--memory", action="store_true",
+                   help="sample object-store use: peak above the baseline during each row, "
+                        "and what is left once it is done")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a raycoll group option, e.g. inline_bytes=65536 (repeatable)")
+    p.add_argument("--ray-free-period-ms", type=int, default=10,
+                   help="when this run starts Ray: how often its raylets free unused objects "
+                        f"({_FREE_PERIOD_ENV}; Ray's default is 1000); 0 keeps Ray's default")
     p.add_argument("--object-store-mb", type=int, default=None,
                    help="object store size per node when this run starts Ray")
     p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
@@ -783,7 +882,8 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> Tuple[Options, argpar
     opts = Options(ops=ops, sizes=sizes, world_sizes=worlds, nodes=args.nodes,
                    address=args.address, backend=args.backend, dtype=dtype.name,
                    iters=args.iters, warmup=args.warmup, check=args.check, vs=args.vs,
-                   group_options=group_options, baselines=args.baselines,
+                   group_options=group_options, baselines=args.baselines, memory=args.memory,
+                   free_period_ms=args.ray_free_period_ms,
                    object_store_mb=args.object_store_mb, progress=not args.no_progress)
     return opts, args
 
@@ -792,6 +892,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``raycoll-bench`` entry point; returns the exit status (1 if any result was wrong)."""
     opts, args = parse_options(argv)
     with_peer = opts.vs is not None
+    configure_ray_env(opts)
     print(header(opts), flush=True)
 
     def emit(row: Row) -> None:

@@ -20,30 +20,38 @@ materialises more than its inputs and outputs.
 
 Algorithms (``W`` ranks, ``N`` bytes per rank's buffer):
 
-- ``all_reduce``: inline (coordinator reduces) up to ``inline_bytes``; *direct* up to
-  ``direct_bytes`` (one step: every rank puts its buffer once and reduces all of them in rank
-  order, so results are bitwise identical everywhere); above, reduce-scatter then all-gather
-  (two steps; rank ``j`` reduces chunk ``j``; each rank puts ``(W-1)/W N`` then ``N/W`` and
-  reads as much: bandwidth-optimal);
-- ``reduce``: as ``all_reduce`` but the all-gather step only feeds the root;
-- ``reduce_scatter``: one step (peers' pieces in, own chunk reduced in place);
+- ``all_reduce``: inline (the coordinator reduces) up to ``inline_bytes``; *direct* for two
+  ranks, and on one node up to ``direct_bytes`` or ``direct_max_ranks`` ranks (one step:
+  every rank puts its buffer once and reduces all of them in rank order, so every rank gets
+  bitwise the same result); otherwise reduce-scatter then all-gather (two steps; rank ``j``
+  reduces chunk ``j`` straight into its buffer; each rank puts ``(W-1)/W N`` then ``N/W`` and
+  reads as much: bandwidth-optimal, and across nodes no rank pulls a chunk it does not need);
+- ``reduce``: reduce-scatter, then the reduced chunks go to the root only;
+- ``reduce_scatter``: one step (peers' pieces in, own chunk reduced in one pass);
 - ``broadcast``, ``scatter``, ``gather``, ``all_gather``, ``all_to_all``: one step, each
   byte put once by its owner and copied once by each reader that needs it.
 
-Object-store memory: every object is owned by the rank that put it. A step's objects stay
-referenced by their owner until the next step of the same collective has been matched (every
-reader arrived there, so it is done reading), and objects of a collective's last step are
-released by Ray's reference counting as soon as the readers drop their views, before they
-return. So use returns to its baseline after every collective, and the peak during one is at
-most what the ranks send in two consecutive steps: about ``N`` per rank for ``all_reduce``
-(``(W-1)/W N`` + ``N/W``), the whole input for the roots of ``broadcast`` and ``scatter``,
-``N/W`` per rank for ``all_gather`` (``N`` its output), at most ``(W-1)/W`` of a rank's input
-for ``reduce_scatter`` and ``all_to_all`` — plus, across nodes, a secondary copy of each
-object pulled onto another node, freed with the primary.
+Arrays are put as flat segments of at most ``segment_bytes`` (8 MiB) inside one object.
+
+Object-store memory: every object is owned by the rank that put it, and referenced only while
+a step needs it: a step's objects are dropped by their owner once the next step has been
+matched (every reader arrived there, so it is done reading); objects of a collective's last
+step are dropped by the owner when the step is matched and by each reader once it has copied
+or reduced them (the coordinator keeps no reference once it has routed them). So the live
+data of one collective is at most what the ranks send in two consecutive steps: ``N`` per
+rank for ``all_reduce`` (direct: ``N``; reduce-scatter + all-gather: ``(W-1)/W N`` then
+``N/W``), ``N`` for the root of ``broadcast`` and of ``scatter`` (``(W-1)/W N``), ``N/W`` per
+rank for ``all_gather``, ``(W-1)/W`` of each rank's input for ``reduce_scatter`` and
+``all_to_all`` — plus, across nodes, a secondary copy of each object pulled onto another node.
+Ray frees objects that went out of scope in batches (``RAY_free_objects_period_milliseconds``,
+by default every second), so back-to-back collectives keep up to a second's worth of their
+objects in the store until Ray's next batch; use is back at its baseline then. Measured peaks
+are in benchmarks/BENCHMARKS.md.
 
 Thresholds are group options (``create_group(..., options={...})``): ``inline_bytes``,
-``direct_bytes``, and ``all_reduce_algo`` (``"inline"``, ``"direct"``, ``"rs_ag"``) or
-``put`` (``"auto"``, ``"combined"``, ``"per_peer"``) to force a choice when measuring.
+``direct_bytes``, ``direct_max_ranks``, ``segment_bytes``, and ``all_reduce_algo``
+(``"inline"``, ``"direct"``, ``"rs_ag"``) or ``put`` (``"auto"``, ``"combined"``,
+``"per_peer"``) to force a choice when measuring.
 """
 
 from __future__ import annotations
@@ -60,13 +68,18 @@ from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
 
-__all__ = ["ObjstoreBackend", "INLINE_BYTES", "DIRECT_BYTES"]
+__all__ = ["ObjstoreBackend", "INLINE_BYTES", "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
 
 #: Everything a rank sends in one step travels inline in the coordinator call up to this size.
 INLINE_BYTES = 64 * 1024
 #: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
 #: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
 DIRECT_BYTES = 1 << 20
+#: ... and, on a single node, at any size with at most this many ranks: measured on the
+#: reference machine, one step (with ``W - 1`` reads per rank) beats the two steps of
+#: reduce-scatter + all-gather up to 4 ranks even at 64 MiB, because each step costs a
+#: coordinator round trip that carries object references (~1.7 ms more than one without).
+DIRECT_MAX_RANKS = 4
 #: Arrays are put as segments of at most this size. Ray copies a large buffer into the store
 #: with several threads started per copy, which on a loaded or small machine is several times
 #: slower than one ``memcpy`` per segment (measured: 32 MiB in ~40 ms vs ~8 ms; see
@@ -153,6 +166,7 @@ class ObjstoreBackend(CollectiveBackend):
         opts = ctx.options
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
         self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
+        self.direct_max_ranks = int(opts.get("direct_max_ranks", DIRECT_MAX_RANKS))
         self.segment_bytes = int(opts.get("segment_bytes", SEGMENT_BYTES))
         algo = opts.get("all_reduce_algo")
         if algo is not None and algo not in _ALGOS:
@@ -302,7 +316,9 @@ class ObjstoreBackend(CollectiveBackend):
             return self.algo
         if nbytes <= self.inline_bytes:
             return "inline"
-        if nbytes <= self.direct_bytes and self.ctx.single_node:
+        size = self.ctx.size
+        if size == 2 or (self.ctx.single_node and (nbytes <= self.direct_bytes
+                                                   or size <= self.direct_max_ranks)):
             return "direct"
         return "rs_ag"
 
