@@ -351,7 +351,10 @@ class ObjstoreBackend(CollectiveBackend):
         if me == 0:
             _reduce_into(op, flat, terms[1])
         elif me == 1:
-            _reduce_into(op, flat, terms[0])  # x1 (op) x0 == x0 (op) x1: every op commutes
+            # x0 (op) x1, in that order: complex products (and future ops) do not commute
+            # bit for bit, and every rank must hold bitwise the same result.
+            for lo, hi, a in _spans(terms[0]):
+                _combine_into(op, flat[lo:hi], a, flat[lo:hi])
         else:
             # Our buffer is overwritten by x0 (op) x1 first: read our own term from our object.
             mine = sent[0]
