@@ -608,6 +608,7 @@ class Coordinator:
         self._monitor: Optional["asyncio.Task[None]"] = None
         self._probes: Dict[int, "asyncio.Task[None]"] = {}
         self._answered: Dict[int, float] = {}  # global rank -> when a probe last returned
+        self._probes_sent = 0
         self._leases: Dict[Tuple[int, int], "asyncio.Future[None]"] = {}
         self._lease_watchers: Dict[Tuple[int, int], "asyncio.Task[None]"] = {}
 
@@ -640,6 +641,7 @@ class Coordinator:
             "kv": len(self._kv), "leases": len(self._leases),
             "lease_watchers": len(self._lease_watchers), "waits": len(self._waits),
             "probes": sum(1 for t in self._probes.values() if not t.done()),
+            "probes_sent": self._probes_sent,
         })
 
     def _lease_future(self, rank: int, generation: int) -> "asyncio.Future[None]":
@@ -747,6 +749,9 @@ class Coordinator:
     async def _probe(self, g: int) -> None:
         member = self._members.get(g) or {}
         actor, actor_id, generation = member.get("actor"), member.get("actor_id"), self._generation
+        if actor is None:  # not an actor: only its lease watches it
+            return
+        self._probes_sent += 1
         try:
             await actor.__ray_ready__.remote()
         except ray.exceptions.ActorUnavailableError:

@@ -124,14 +124,15 @@ def destroy_process_group(group: GroupLike = None) -> None:
         return
     if isinstance(group, _NonMember):
         return
+    target: Union[ProcessGroup, _NonMember]
     if isinstance(group, str):  # by name, without the usability check: broken groups too
         with w.lock:
             found = w.groups.get(group)
-        pg = found if found is not None else w.resolve(group)  # resolve raises: no such group
+        target = found if found is not None else w.resolve(group)  # raises: no such group
     else:
-        pg = group if isinstance(group, ProcessGroup) else w.resolve(group)
-    if isinstance(pg, ProcessGroup):
-        _leave(pg)
+        target = group if isinstance(group, ProcessGroup) else w.resolve(group)
+    if isinstance(target, ProcessGroup):
+        _leave(target)
 
 
 def _leave(pg: ProcessGroup) -> None:

@@ -402,16 +402,16 @@ def test_work_wait_timeout_names_the_missing_rank_and_breaks_the_group(actors, f
 @pytest.mark.timeout(120)
 def test_monitored_barrier_reports_missing_ranks_and_group_stays_usable(actors, form):
     team, name = form(actors.pool[:4])
-    timeout = 1.5
+    timeout = 1.0
     for wait_all_ranks in (False, True):
-        delays = {0: 0.0, 1: 0.0, 2: timeout + 1.5, 3: timeout + 1.5}
+        delays = {0: 0.0, 1: 0.0, 2: timeout + 1.0, 3: timeout + 1.0}
         results = ray.get([_run(a, _monitored, r, name, timeout, wait_all_ranks, delays[r])
                            for r, a in enumerate(team)], timeout=60)
         for r in (0, 1):
             res = results[r]
             assert "DistTimeoutError" in res["is"], res
             assert res["missing"] == [2, 3], res
-            assert 1.4 < res["elapsed"] < timeout + 5.0, res
+            assert timeout - 0.1 < res["elapsed"] < timeout + 5.0, res
             lead = "ranks [2, 3] failed" if wait_all_ranks else "rank 2 failed"
             assert res["msg"].startswith(lead), res["msg"]
         for r in (2, 3):
@@ -468,8 +468,6 @@ def _elastic(rank: int, name: str, world_size: int, kill_me: bool) -> Dict[str, 
     """init_process_group by name; all_reduce; the victim then dies; survivors re-form."""
     import os
 
-    if kill_me:  # let a survivor start the coordinator (it lives as long as its creator)
-        time.sleep(1.0)
     raycoll.init_process_group("objstore", world_size=world_size, rank=rank, group_name=name,
                                timeout=LONG_TIMEOUT_S)
     x = np.ones(4)
@@ -498,8 +496,8 @@ def _rejoin(rank: int, name: str, world_size: int) -> float:
 @pytest.mark.timeout(120)
 def test_crashed_rank_of_a_group_formed_by_name_fails_its_peers(actors):
     """Ranks that rendezvous by name (init_process_group): one crashes (os._exit), the
-    survivors get RankFailedError naming it, can destroy the broken group, and form a new one
-    with a replacement."""
+    survivors get RankFailedError naming it, destroy the broken group, and form it again by
+    the same name with a replacement (the dead rank counts as having left)."""
     name = f"elastic-{uuid.uuid4().hex[:6]}"
     team = [actors.spare() for _ in range(3)]
     try:
@@ -509,7 +507,7 @@ def test_crashed_rank_of_a_group_formed_by_name_fails_its_peers(actors):
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(refs[2], timeout=60)
         team[2] = actors.spare()
-        values = ray.get([_run(a, _rejoin, r, name + "-2", 3) for r, a in enumerate(team)],
+        values = ray.get([_run(a, _rejoin, r, name, 3) for r, a in enumerate(team)],
                          timeout=60)
         assert values == [6.0, 6.0, 6.0]
     finally:

@@ -27,7 +27,7 @@ def _soak_module() -> ModuleType:
 @pytest.mark.timeout(300)
 def test_short_soak_keeps_memory_flat(ray_local):
     soak = _soak_module()
-    cfg = soak.SoakConfig(groups=2, world_size=2, rounds=40, warmup_rounds=10, large_every=8,
+    cfg = soak.SoakConfig(groups=2, world_size=2, rounds=32, warmup_rounds=6, large_every=8,
                           large_mb=2.0)
     report = soak.run(cfg, log=lambda _msg: None)
     print("\n" + report.summary())
