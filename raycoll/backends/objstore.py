@@ -70,8 +70,10 @@ from raycoll.tensors import host_view
 
 __all__ = ["ObjstoreBackend", "INLINE_BYTES", "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
 
-#: Everything a rank sends in one step travels inline in the coordinator call up to this size.
-INLINE_BYTES = 64 * 1024
+#: Everything a rank sends in one step travels inline in the coordinator call up to this size:
+#: just under Ray's limit for arguments passed by value (100 KiB, ``max_direct_call_object_size``)
+#: above which Ray itself puts them into the object store (measured slower than our own put).
+INLINE_BYTES = 96 * 1024
 #: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
 #: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
 DIRECT_BYTES = 1 << 20
