@@ -376,6 +376,11 @@ def test_stalled_rank_times_out_naming_it_and_its_last_collective(actors, form):
         assert timeout - 0.5 < took < timeout + 5.0, f"timed out after {took:.2f}s"
     print(f"\ntimed out after {results[0]['t'] - start:.2f}s (timeout {timeout}s): "
           f"{results[0]['msg']}")
+    # liveness probes while they waited: at most one per rank (sync actors busy in a method
+    # keep it queued, a no-op run when the method returns), never a stream
+    coordinator = ray.get_actor(coordinator_name(ray.get_runtime_context().get_job_id(), name))
+    sent = ray.get(coordinator.state_sizes.remote(), timeout=30)[1]["probes_sent"]
+    assert 1 <= sent <= 3, sent
     ray.get(late, timeout=60)
     arrived_late = ray.get(_run(team[2], _all_reduce, 2, name, 4), timeout=60)
     assert "DistTimeoutError" in arrived_late["is"], arrived_late  # the group is broken
