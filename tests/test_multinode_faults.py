@@ -97,18 +97,22 @@ def test_node_removed_mid_collective_fails_survivors_and_group_reforms(two_nodes
         for actor in team[2:]:
             ray.kill(actor, no_restart=True)
 
+    if not graceful:
+        for actor in team[:2]:
+            ray.kill(actor, no_restart=True)
+        return  # re-forming is the same either way: checked once, below
     # the survivors plus replacements on the remaining nodes: correct again, across nodes
     baseline = soak.store_settled(1_000_000)
     team = team[:2] + [_on("node0"), _on("node1")]
     raycoll.create_group(team, group_name=name, timeout=120)
     cfg = {"small_elems": 32, "large_every": 4, "large_mb": 2.0}
     try:
-        out = ray.get([a.run.remote(soak.soak_rank, r, (name, 12, 0, cfg), {})
+        out = ray.get([a.run.remote(soak.soak_rank, r, (name, 8, 0, cfg), {})
                        for r, a in enumerate(team)], timeout=180)
     finally:
         raycoll.destroy_group(name)
         for actor in team:
             ray.kill(actor, no_restart=True)
-    assert out[0]["counts"]["large_all_reduce"] == 3 and out[0]["counts"]["send_recv"] == 12
+    assert out[0]["counts"]["large_all_reduce"] == 2 and out[0]["counts"]["send_recv"] == 8
     final = soak.store_settled(baseline + 1_000_000)
     assert final <= baseline + 1_000_000, (baseline, final)
