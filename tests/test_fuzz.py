@@ -341,7 +341,7 @@ def _check_tensor_result(op: str, specs: List[Dict[str, Spec]], results: List[Di
 @pytest.mark.timeout(300)
 @FUZZ
 @given(op=st.sampled_from(["all_reduce", "broadcast", "all_gather_into_tensor"]),
-       what=st.sampled_from(["shape", "dtype", "reduce op", "root"]),
+       what=st.sampled_from(["shape", "dtype", "reduce op", "root", "collective"]),
        odd=st.integers(0, W - 1), async_op=st.booleans())
 def test_cross_rank_mismatches(group, op, what, odd, async_op):
     """One rank disagrees with the others (each valid on its own): every rank must fail."""
@@ -360,8 +360,15 @@ def test_cross_rank_mismatches(group, op, what, odd, async_op):
         elif what == "reduce op":
             kw["op"] = ("val", raycoll.ReduceOp.MAX if differs else raycoll.ReduceOp.SUM)
         specs.append(kw)
-    results = run(group, op, specs, async_op)
-    meaningful = (what in ("shape", "dtype") or (what == "root" and op == "broadcast")
+    ops: Any = op
+    if what == "collective":  # the odd rank calls another collective at the same point
+        other = "all_reduce" if op != "all_reduce" else "broadcast"
+        ops = [other if r == odd else op for r in range(W)]
+        specs[odd] = ({"tensor": _arr(salt=odd + 1), "src": ("val", 0)} if other == "broadcast"
+                      else {"tensor": _arr(salt=odd + 1)})
+    results = run(group, ops, specs, async_op)
+    meaningful = (what in ("shape", "dtype", "collective")
+                  or (what == "root" and op == "broadcast")
                   or (what == "reduce op" and op == "all_reduce"))
     outcome = classify(f"cross-rank {what}", results, [], tuple(specs[0]) + ("shape", "dtype"))
     if meaningful:
