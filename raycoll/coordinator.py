@@ -578,8 +578,10 @@ class Coordinator:
 
     # ================================================================== liveness
     # Owned by the reliability work (issue 6). Two event-driven signals tell the coordinator
-    # that a rank's process is gone, so that every surviving rank fails within about a second
-    # with RankFailedError naming it, instead of waiting out the collective timeout:
+    # that a rank's process is gone, so that every surviving rank fails about 0.2 s after Ray
+    # reports the death (at once for a kill or a crash; for a node lost without warning, when
+    # Ray's health check declares it dead) with RankFailedError naming it, instead of waiting
+    # out the collective timeout:
     #
     # - a lease: after rendezvous each rank calls ``lease`` (a call that stays pending for as
     #   long as the rank is a member; the rank owns its result) and hands the reference back
