@@ -745,8 +745,9 @@ def footer(rows: Sequence[Row]) -> str:
     if rows and "ray_rtt_us" in rows[0].extra:
         extra = rows[0].extra
         lines.append(f"# Ray actor-call round trip (median): {extra['ray_rtt_us']:.1f} us")
-        lines.append(f"# plain ray.get of {_fmt_size(extra['ray_get_bytes'])}: "
-                     f"{extra['ray_get_GBps']:.2f} GB/s")
+        if extra["ray_get_bytes"] >= 1 << 20:  # a bandwidth only means something for MiBs
+            lines.append(f"# plain ray.get of {_fmt_size(extra['ray_get_bytes'])}: "
+                         f"{extra['ray_get_GBps']:.2f} GB/s")
     ratios = [r.ratio for r in rows if r.ratio]
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

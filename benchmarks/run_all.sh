@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Re-runs every measurement of benchmarks/BENCHMARKS.md; writes benchmarks/results/*.{txt,json,png}.
+# Takes about 15 minutes on the 2-core reference machine. Check `uptime` first: other load
+# skews every figure (the load before and after each run is recorded in its .txt file).
+set -u
+cd "$(dirname "$0")/.."
+out=benchmarks/results
+mkdir -p "$out"
+run() {  # run NAME ARGS...: one raycoll-bench run, table to NAME.txt, rows to NAME.json
+  local name=$1; shift
+  { echo "# load before: $(uptime)"; echo "# command: raycoll-bench $*"
+    python -m raycoll.bench --no-progress --json "$out/$name.json" "$@" 2>/dev/null
+    echo "# load after: $(uptime)"; } > "$out/$name.txt"
+  cat "$out/$name.txt"
+}
+run ops2_gloo --op all --sizes 4,4K,256K,4M,64M --world-size 2 --vs gloo --check --iters 10 --warmup 3
+run ops2_raycol --op all_reduce,broadcast,reduce,all_gather,reduce_scatter --sizes 4,256K,64M \
+    --world-size 2 --vs ray-collective --iters 10 --warmup 3
+run ops4_gloo --op all_reduce,broadcast,all_gather,reduce_scatter,all_to_all --sizes 4,256K,4M,64M \
+    --world-size 4 --vs gloo --check --iters 8 --warmup 2
+run small2 --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines
+run nodes2 --op all_reduce,broadcast,all_gather --sizes 4M,64M --world-size 2 --nodes 2 \
+    --iters 6 --warmup 2 --check --baselines
+run curve_size --op all_reduce --sizes 4:64M:x4 --world-size 2 --vs gloo --iters 10 --warmup 3 \
+    --plot "$out/curve_size.png"
+run curve_world --op all_reduce --sizes 4 --world-size 2,4,8,16 --vs gloo --iters 50 --warmup 10 \
+    --plot "$out/curve_world.png"
+run memory --op all --sizes 64M --world-size 2 --iters 6 --warmup 2 --memory
+run memory_ray_default --op all_reduce,broadcast --sizes 64M --world-size 2 --iters 6 --warmup 2 \
+    --memory --ray-free-period-ms 0
+run free_period_default --op all_reduce,broadcast,all_gather --sizes 4M,64M --world-size 2 \
+    --vs gloo --iters 10 --warmup 3 --ray-free-period-ms 0
