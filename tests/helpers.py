@@ -63,3 +63,31 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
 def cases(sizes: Sequence[int]) -> Tuple[Tuple[str, str, int], ...]:
     return tuple((dt, op, n) for dt in DTYPES for op in OPS_BY_KIND[np.dtype(dt).kind]
                  for n in sizes)
+
+
+def store_used() -> Tuple[int, int]:
+    """Object-store bytes in use and object count, summed over the cluster's nodes."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used), int(reply.store_stats.num_local_objects)
+
+
+def soak_module() -> Any:
+    """``benchmarks/soak.py`` as a module whose functions travel to the ranks by value."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("raycoll_soak", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["raycoll_soak"] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import benchmarks/
+    return module

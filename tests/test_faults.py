@@ -13,11 +13,12 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import numpy as np
 import pytest
 import ray
-from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
 import raycoll
 from raycoll.coordinator import coordinator_name
 from raycoll.launch import RankWorker
+
+from helpers import store_used
 
 #: How fast a dead rank must fail its peers (the collective timeout is far above it).
 DETECT_S = 5.0
@@ -165,20 +166,14 @@ def _wait_arrived(name: str, ranks: List[int], op: str, seq: int, timeout: float
                          f"{raycoll.group_status(name)}")
 
 
-def _store_used() -> Tuple[int, int]:
-    """Object-store bytes in use and object count, summed over the cluster's nodes."""
-    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
-    return int(reply.store_stats.object_store_bytes_used), int(reply.store_stats.num_local_objects)
-
-
 def _store_settled(limit: float, timeout: float = 20.0) -> Tuple[int, int]:
     """Object-store use once it is at most ``limit`` bytes (Ray frees objects a moment after
     their last reference goes), or as it is after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    used = _store_used()
+    used = store_used()
     while used[0] > limit and time.monotonic() < deadline:
         time.sleep(0.1)
-        used = _store_used()
+        used = store_used()
     return used
 
 
@@ -272,7 +267,7 @@ def test_large_collective_with_dead_rank_releases_objects_and_group_recovers(act
     busy = _run(team[2], _sleep, 2, 300.0)
     refs = [_run(team[r], _all_reduce, r, name, n) for r in (0, 1)]
     _wait_arrived(name, [0, 1], "all_reduce", 2)
-    during_bytes, _ = _store_used()
+    during_bytes, _ = store_used()
     killed_at = time.time()
     ray.kill(team[2], no_restart=True)
     for res in ray.get(refs, timeout=60):

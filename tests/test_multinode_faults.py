@@ -5,17 +5,15 @@ stay correct, with object-store memory back to its baseline on every node."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 import uuid
-from pathlib import Path
-from types import ModuleType
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest
 import ray
+
+from helpers import soak_module
 
 import raycoll
 from raycoll.launch import RankWorker
@@ -24,17 +22,6 @@ pytestmark = pytest.mark.cluster
 
 Worker = ray.remote(RankWorker)
 STORE = 300 * 1024 ** 2
-
-
-def _soak_module() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("raycoll_soak", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["raycoll_soak"] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import benchmarks/
-    return module
 
 
 def _on(resource: str) -> Any:
@@ -70,7 +57,7 @@ def test_node_removed_mid_collective_fails_survivors_and_group_reforms(two_nodes
     team = [_on("node0"), _on("node1"), _on("node2"), _on("node2")]
     name = f"mn-{uuid.uuid4().hex[:6]}"
     raycoll.create_group(team, group_name=name, timeout=120)
-    soak = _soak_module()
+    soak = soak_module()
     n = 1_000_000  # 8 MB: travels as object references between nodes
     try:
         warm = ray.get([a.run.remote(_all_reduce, r, (name, n), {}) for r, a in enumerate(team)],

@@ -4,29 +4,14 @@ coordinator's tables hold nothing left over."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
-import ray
 
-
-def _soak_module() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("raycoll_soak", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["raycoll_soak"] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import benchmarks/
-    return module
+from helpers import soak_module
 
 
 @pytest.mark.timeout(300)
 def test_short_soak_keeps_memory_flat(ray_local):
-    soak = _soak_module()
+    soak = soak_module()
     cfg = soak.SoakConfig(groups=2, world_size=2, rounds=32, warmup_rounds=6, large_every=8,
                           large_mb=2.0)
     report = soak.run(cfg, log=lambda _msg: None)
