@@ -23,13 +23,21 @@ an existing cluster; ``--nodes N`` starts N Ray nodes on this machine with
 ``ray.cluster_utils.Cluster`` and spreads the ranks over them in blocks (custom resources pin
 them), so that cross-node paths can be measured on one machine.
 
-``--json FILE`` writes a JSON array with one object per table row; its fields are listed in
-:data:`ROW_FIELDS`.
+``--json FILE`` writes a JSON array with one object per table row, with the fields of
+:data:`ROW_FIELDS`: ``op``, ``bytes`` (the size run, nccl-tests terms), ``count`` (elements
+per buffer, or per rank's chunk), ``dtype``, ``world_size``, ``nodes`` (distinct Ray nodes the
+ranks ran on), ``backend``, ``time_us`` (median), ``min_us``, ``max_us``, ``algbw`` and
+``busbw`` (GB/s, from the median), ``wrong`` (elements that failed ``--check``; ``null``
+without it), ``peer``, ``peer_time_us`` (its median) and ``ratio`` (``peer_time_us /
+time_us``; > 1: raycoll is faster) with ``--vs``. ``--baselines`` adds ``ray_rtt_us``,
+``ray_get_bytes`` and ``ray_get_GBps``; ``--memory`` adds ``store_baseline_bytes``,
+``store_peak_bytes``, ``store_after_bytes`` and ``store_settle_ms``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -39,7 +47,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import ray
@@ -365,7 +373,8 @@ class _Progress:
     """tqdm when installed, else one updating line on stderr (nothing when not a TTY)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled and total > 1
+        self.total, self.done = total, 0
+        self.enabled = enabled and total > 1 and sys.stderr.isatty()
         self._bar: Any = None
         if not self.enabled:
             return
@@ -383,14 +392,22 @@ class _Progress:
         if self._bar is not None:
             self._bar.set_description(label)
             self._bar.update(1)
-        elif sys.stderr.isatty():
+        else:
             sys.stderr.write(f"\r[{self.done}/{self.total}] {label:<48}")
             sys.stderr.flush()
+
+    def emitting(self) -> ContextManager[Any]:
+        """Around printing a row: the bar steps aside and is redrawn after."""
+        if self._bar is not None:
+            return self._bar.external_write_mode(file=sys.stdout)
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 64 + "\r")
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and sys.stderr.isatty():
+        elif self.enabled:
             sys.stderr.write("\r" + " " * 64 + "\r")
             sys.stderr.flush()
 
@@ -637,7 +654,8 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
                     if peer is not None:
                         _add_peer(row, peer, op, real, opts)
                     rows.append(row)
-                    emit(row)
+                    with progress.emitting():
+                        emit(row)
                     progress.step(f"{op} {_fmt_size(real)} x{world_size}")
             finally:
                 if peer is not None:
