@@ -1,0 +1,164 @@
+"""Every object-store algorithm and put layout gives the same results as numpy.
+
+The backend picks inline / direct / reduce-scatter + all-gather and combined / per-peer puts
+from the size and the topology; tests on one node with default options only ever see some of
+them. Here each choice is forced through group options (``create_group(..., options=...)``)
+and checked against numpy on real actors, with every reduce op, integer and float dtypes,
+tiny segments (so that pieces span several segments with uneven boundaries) and
+non-contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+
+OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT", "PREMUL_SUM"]
+
+
+def _data(rank: int, n: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.uniform(0.5, 2.0, n).astype(dtype)
+    return rng.integers(1, 5, n).astype(dtype)
+
+
+def _expected(name: str, arrays: List[np.ndarray]) -> np.ndarray:
+    stack = np.stack(arrays)
+    if name in ("SUM", "AVG", "PREMUL_SUM"):
+        total = stack.sum(axis=0, dtype=stack.dtype)
+        if name == "AVG":
+            return total / len(arrays) if stack.dtype.kind == "f" else np.trunc(total / len(arrays))
+        return total * 0.5 if name == "PREMUL_SUM" else total
+    return {"MAX": stack.max(axis=0), "MIN": stack.min(axis=0),
+            "PRODUCT": stack.prod(axis=0, dtype=stack.dtype)}[name]
+
+
+def _op(name: str) -> Any:
+    return raycoll.ReduceOp.PREMUL_SUM(0.5) if name == "PREMUL_SUM" else getattr(raycoll.ReduceOp, name)
+
+
+def _every_collective(rank: int, world: int, n: int, dtype: str) -> Dict[str, Any]:
+    """Run the collectives on this rank; return what each produced (compared by the test)."""
+    out: Dict[str, Any] = {}
+    for name in OPS:
+        if np.dtype(dtype).kind != "f" and name in ("AVG", "PREMUL_SUM"):
+            continue
+        x = _data(rank, n, dtype)
+        raycoll.all_reduce(x, op=_op(name))
+        out[f"all_reduce/{name}"] = x
+        y = _data(rank, n, dtype)
+        raycoll.reduce(y, dst=world - 1, op=_op(name))
+        out[f"reduce/{name}"] = y if rank == world - 1 else None
+    # Non-contiguous: every other column of a (n, 2) array.
+    base = np.zeros((n, 2), dtype=dtype)
+    base[:, 0] = _data(rank, n, dtype)
+    col = base[:, 0]
+    raycoll.all_reduce(col)
+    out["all_reduce/strided"] = col.copy()
+    rs = np.zeros(n, dtype=dtype)
+    raycoll.reduce_scatter(rs, [_data(rank * world + j, n, dtype) for j in range(world)])
+    out["reduce_scatter"] = rs
+    gathered = [np.zeros(n, dtype=dtype) for _ in range(world)]
+    raycoll.all_gather(gathered, _data(rank, n, dtype))
+    out["all_gather"] = gathered
+    b = _data(rank, n, dtype)
+    raycoll.broadcast(b, src=1)
+    out["broadcast"] = b
+    a2a = [np.zeros(n, dtype=dtype) for _ in range(world)]
+    raycoll.all_to_all(a2a, [_data(rank * world + j, n, dtype) for j in range(world)])
+    out["all_to_all"] = a2a
+    sc = np.zeros(n, dtype=dtype)
+    raycoll.scatter(sc, [_data(100 + j, n, dtype) for j in range(world)] if rank == 0 else None,
+                    src=0)
+    out["scatter"] = sc
+    return out
+
+
+def _check(results: List[Dict[str, Any]], world: int, n: int, dtype: str) -> None:
+    arrays = [_data(r, n, dtype) for r in range(world)]
+    for key, _ in results[0].items():
+        kind, _, name = key.partition("/")
+        for rank, res in enumerate(results):
+            got = res[key]
+            if kind == "all_reduce" and name == "strided":
+                want = _expected("SUM", arrays)
+            elif kind == "all_reduce":
+                want = _expected(name, arrays)
+            elif kind == "reduce":
+                if rank != world - 1:
+                    continue
+                want = _expected(name, arrays)
+            elif kind == "reduce_scatter":
+                want = _expected("SUM", [_data(r * world + rank, n, dtype) for r in range(world)])
+            elif kind == "all_gather":
+                want = arrays
+            elif kind == "broadcast":
+                want = arrays[1]
+            elif kind == "all_to_all":
+                want = [_data(s * world + rank, n, dtype) for s in range(world)]
+            else:  # scatter
+                want = _data(100 + rank, n, dtype)
+            np.testing.assert_allclose(np.asarray(got, dtype=np.float64),
+                                       np.asarray(want, dtype=np.float64), rtol=1e-5,
+                                       err_msg=f"{key} on rank {rank}")
+    # all_reduce results must be bitwise identical on every rank
+    for key in results[0]:
+        if key.startswith("all_reduce/"):
+            for res in results[1:]:
+                assert np.array_equal(res[key], results[0][key]), key
+
+
+@pytest.fixture(scope="module")
+def actors(ray_local: None) -> Any:
+    pool = [ray.remote(raycoll.launch.RankWorker).options(num_cpus=0).remote() for _ in range(3)]
+    yield pool
+    for actor in pool:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("options", [
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000},
+    {"all_reduce_algo": "direct", "inline_bytes": 0, "segment_bytes": 1000, "put": "per_peer"},
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "put": "per_peer"},
+    {"all_reduce_algo": "inline"},
+], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline"])
+@pytest.mark.parametrize("dtype", ["float64", "int32"])
+def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dtype: str) -> None:
+    world, n = 3, 1001  # chunks of 334/334/333 elements; 1000-byte segments split unevenly
+    name = f"algo-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(actors, group_name=name, options=options, timeout=120)
+    try:
+        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
+                for r, a in enumerate(actors)]
+        results = ray.get(refs, timeout=180)
+    finally:
+        raycoll.destroy_group(name)
+    _check(results, world, n, dtype)
+
+
+def _first_all_reduce(rank: int) -> None:
+    raycoll.all_reduce(np.ones(4))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad,needle", [({"all_reduce_algo": "ring"}, "all_reduce_algo"),
+                                        ({"put": "sometimes"}, "group option put")])
+def test_bad_options_are_refused_with_the_option_named(actors: Any, bad: Dict[str, Any],
+                                                       needle: str) -> None:
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(actors[:2], group_name=name, options=bad, timeout=60)
+    try:
+        refs = [a.run.remote(_first_all_reduce, r, (), {}) for r, a in enumerate(actors[:2])]
+        for ref in refs:
+            with pytest.raises(ray.exceptions.RayTaskError, match=needle):
+                ray.get(ref, timeout=60)
+    finally:
+        raycoll.destroy_group(name)
