@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-runs every measurement of benchmarks/BENCHMARKS.md; writes benchmarks/results/*.{txt,json,png}.
-# Takes about 15 minutes on the 2-core reference machine. Check `uptime` first: other load
+# Takes 5-15 minutes on the 2-core reference machine, depending on its load. Check `uptime` first: other load
 # skews every figure (the load before and after each run is recorded in its .txt file).
 set -u
 cd "$(dirname "$0")/.."
