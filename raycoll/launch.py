@@ -10,6 +10,7 @@ is ``torch.multiprocessing.spawn`` for Ray: it starts the actors, forms the grou
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -261,6 +262,19 @@ class RankWorker:
 _SpawnWorker = ray.remote(RankWorker)
 
 
+#: Ray frees out-of-scope objects in batches, once a second by default; until then every new
+#: ``ray.put`` lands in cold store memory (page faults), which makes large collectives 2-3x
+#: slower (benchmarks/BENCHMARKS.md). A Ray that raycoll starts frees every 10 ms.
+FREE_PERIOD_ENV = "RAY_free_objects_period_milliseconds"
+
+
+def start_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)`` with the object-free period raycoll's collectives want, unless
+    the environment already sets one. Used when raycoll itself starts Ray."""
+    os.environ.setdefault(FREE_PERIOD_ENV, "10")
+    ray.init(**kwargs)
+
+
 def _check_feasible(world_size: int, options: Dict[str, Any]) -> None:
     """Refuse a group the cluster can never schedule, instead of waiting forever."""
     total = ray.cluster_resources()
@@ -295,7 +309,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if not ray.is_initialized():
-        ray.init()
+        start_ray()
     options = dict(actor_options or {})
     _check_feasible(world_size, options)
     name = group_name or f"spawn-{uuid.uuid4().hex[:8]}"

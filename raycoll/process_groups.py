@@ -91,7 +91,9 @@ def init_process_group(
             raise ValueError(f"group {group_name!r} is already initialized in this process; "
                              "destroy_process_group() it first")
     if not ray.is_initialized():
-        ray.init()
+        from raycoll.launch import start_ray
+
+        start_ray()
     job = ray.get_runtime_context().get_job_id()
     with w.lock:
         make_default = w.default is None

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import ray
 
-from raycoll.launch import RankWorker, run_on
+from raycoll.launch import RankWorker, run_on, start_ray
 
 __all__ = ["RankPool", "local_ray"]
 
@@ -54,7 +54,7 @@ def local_ray(num_cpus: int = 4, **kwargs: Any) -> bool:
     kwargs.setdefault("log_to_driver", True)
     if kwargs["address"] == "local":
         kwargs["num_cpus"] = num_cpus
-    ray.init(**kwargs)
+    start_ray(**kwargs)
     return True
 
 
