@@ -359,8 +359,9 @@ class _ActorPeer(Peer):
             self.close()
             raise
 
+    @abc.abstractmethod
     def _rendezvous(self, host: str) -> Dict[str, Any]:
-        raise NotImplementedError
+        """What each rank needs to join the peer's own group (address, port, group name)."""
 
     def run(self, op: str, nbytes: int, dtype: str = "float32", iters: int = 20,
             warmup: int = 5) -> List[float]:  # fmt: skip

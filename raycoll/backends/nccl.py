@@ -436,7 +436,9 @@ class _Deferred:
                     f"within {self.timeout_s:g}s")
             if self.error is not None:
                 raise self.error
-            assert self.handle is not None  # set together with ready
+            if self.handle is None:  # set together with ready: a bug if ever reached
+                raise errors.CollectiveError(f"batch_isend_irecv: the {self.kind} was issued "
+                                             "without a handle")
             return self.handle
 
         return wait
