@@ -12,7 +12,6 @@ from typing import Any, List, Optional
 
 import ray
 
-from raycoll import errors
 from raycoll.backends.base import Call, GroupContext
 
 __all__ = ["put", "all_gather", "broadcast", "gather", "scatter"]
@@ -27,43 +26,27 @@ def put(obj: Any, name: str) -> "ray.ObjectRef":
                         f"({type(exc).__name__}: {exc})") from exc
 
 
-def _get(ctx: GroupContext, call: Call, ref: Any, src: int) -> Any:
-    who = ctx.global_ranks[src]
-    try:
-        return ray.get(ref, timeout=call.timeout_s)
-    except ray.exceptions.GetTimeoutError as exc:
-        raise errors.DistTimeoutError(
-            f"{call.op} #{call.seq} on group {ctx.group_name!r}: reading rank {who}'s object "
-            f"took longer than {call.timeout_s:g}s", missing=[who], **ctx.ctx(call)) from exc
-    except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError) as exc:
-        err = errors.RankFailedError(
-            f"{call.op} #{call.seq} on group {ctx.group_name!r}: rank {who}'s object is lost "
-            f"(its actor died)", failed_ranks=[who], **ctx.ctx(call))
-        ctx.fail(err)
-        raise err from exc
-
-
 def all_gather(ctx: GroupContext, call: Call, ref: Any, out: List[Any]) -> None:
     got = ctx.exchange(call, 0, [ref] * ctx.size)
-    for s in range(ctx.size):
-        out[s] = _get(ctx, call, ref if s == ctx.rank else got[s], s)
+    sources = list(range(ctx.size))
+    out[:] = ctx.get([ref if s == ctx.rank else got[s] for s in sources], sources, call)
 
 
 def broadcast(ctx: GroupContext, call: Call, ref: Any, root: int, out: List[Any]) -> None:
     payload = [ref] * ctx.size if ctx.rank == root else None
     got = ctx.exchange(call, 0, payload)
     if ctx.rank != root:
-        out[:] = _get(ctx, call, got[root], root)
+        out[:] = ctx.get([got[root]], [root], call)[0]
 
 
 def gather(ctx: GroupContext, call: Call, ref: Any, root: int, out: Optional[List[Any]]) -> None:
     got = ctx.exchange(call, 0, [ref if j == root else None for j in range(ctx.size)])
     if ctx.rank == root and out is not None:
-        for s in range(ctx.size):
-            out[s] = _get(ctx, call, got[s], s)
+        sources = list(range(ctx.size))
+        out[:] = ctx.get([got[s] for s in sources], sources, call)
 
 
 def scatter(ctx: GroupContext, call: Call, refs: Optional[List[Any]], root: int,
             out: List[Any]) -> None:
     got = ctx.exchange(call, 0, refs)
-    out[0] = _get(ctx, call, got[root], root)
+    out[0] = ctx.get([got[root]], [root], call)[0]

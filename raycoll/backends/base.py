@@ -15,11 +15,22 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
+import ray
+
+from raycoll import errors
 from raycoll.coordinator import CoordinatorClient
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.work import DevicePending
 
 __all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion", "Outcome"]
+
+#: Ray's ways of saying that a peer's object is gone with its owner.
+_LOST = (
+    ray.exceptions.OwnerDiedError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.ObjectFetchTimedOutError,
+    ray.exceptions.ObjectReconstructionFailedError,
+)
 
 #: A posted point-to-point operation: call it to wait for completion (returns the source rank
 #: for receives, ``None`` for sends; a stream-ordered backend returns a ``DevicePending``).
@@ -119,6 +130,29 @@ class GroupContext:
     def fail(self, exc: BaseException) -> None:
         """Report a failure that breaks the group (e.g. a peer's object was lost)."""
         self._on_failure(exc)
+
+    def get(self, refs: List[Any], sources: List[int], call: Call) -> List[Any]:
+        """``ray.get`` of peers' objects (``sources[i]``: the group rank that put ``refs[i]``),
+        with Ray's errors translated: a timeout names the ranks whose data did not come, a
+        lost object breaks the group with ``RankFailedError`` naming its owners."""
+        try:
+            return list(ray.get(refs, timeout=call.timeout_s))
+        except ray.exceptions.GetTimeoutError as exc:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            who = sorted({self.global_ranks[s] for r, s in zip(refs, sources) if r in pending})
+            raise errors.DistTimeoutError(
+                f"{call.op} #{call.seq} on group {self.group_name!r}: reading the data of ranks "
+                f"{who} took longer than {call.timeout_s:g}s", missing=who, **self.ctx(call)
+            ) from exc
+        except _LOST as exc:
+            who = sorted({self.global_ranks[s] for s in sources})
+            err = errors.RankFailedError(
+                f"{call.op} #{call.seq} on group {self.group_name!r}: data from ranks {who} is "
+                f"lost (a rank's actor died: {type(exc).__name__})", failed_ranks=who,
+                **self.ctx(call)
+            )
+            self.fail(err)
+            raise err from exc
 
     def p2p_send(self, dst: int, tag: int, meta: Any, payload: Any, timeout_s: float) -> Any:
         """Post a message to group rank ``dst``; returns a ref that resolves once it matched."""

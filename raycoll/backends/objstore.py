@@ -62,7 +62,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import ray
 
-from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
@@ -90,13 +89,6 @@ SEGMENT_BYTES = 8 << 20
 
 _ALGOS = ("inline", "direct", "rs_ag")
 _PUTS = ("auto", "combined", "per_peer")
-
-_LOST = (
-    ray.exceptions.OwnerDiedError,
-    ray.exceptions.ObjectLostError,
-    ray.exceptions.ObjectFetchTimedOutError,
-    ray.exceptions.ObjectReconstructionFailedError,
-)
 
 #: What one rank sends another in a step: an inline array, or ``(ref, start, stop)``: the
 #: segments ``start:stop`` of an object that holds a list of flat segments.
@@ -249,31 +241,10 @@ class ObjstoreBackend(CollectiveBackend):
             else:
                 out[s] = [np.asarray(payload).reshape(-1)]
         if refs:
-            values = self._get(refs, [s for s, _, _ in where], call)
+            values = self.ctx.get(refs, [s for s, _, _ in where], call)
             for (s, lo, hi), value in zip(where, values):
                 out[s] = list(value[lo:hi])
         return out
-
-    def _get(self, refs: List[Any], sources: List[int], call: Call) -> List[Any]:
-        ctx = self.ctx
-        try:
-            return list(ray.get(refs, timeout=call.timeout_s))
-        except ray.exceptions.GetTimeoutError as exc:
-            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-            who = sorted({ctx.global_ranks[s] for r, s in zip(refs, sources) if r in pending})
-            raise errors.DistTimeoutError(
-                f"{call.op} #{call.seq} on group {ctx.group_name!r}: reading the data of ranks "
-                f"{who} took longer than {call.timeout_s:g}s", missing=who, **ctx.ctx(call)
-            ) from exc
-        except _LOST as exc:
-            who = sorted({ctx.global_ranks[s] for s in sources})
-            err = errors.RankFailedError(
-                f"{call.op} #{call.seq} on group {ctx.group_name!r}: data from ranks {who} is "
-                f"lost (a rank's actor died: {type(exc).__name__})", failed_ranks=who,
-                **ctx.ctx(call)
-            )
-            ctx.fail(err)
-            raise err from exc
 
     # ------------------------------------------------------------------ steps
     def _reduce_scatter_step(self, pieces: Sequence[np.ndarray], out: np.ndarray, op: ReduceOp,
