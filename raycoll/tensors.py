@@ -15,7 +15,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-__all__ = ["TensorInfo", "describe", "host_view", "device_type", "is_tensor"]
+__all__ = ["TensorInfo", "describe", "host_view", "device_type", "is_tensor", "is_torch", "is_cupy"]
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,14 @@ def _torch_tensor_type() -> Any:
     return getattr(torch, "Tensor", None) if torch is not None else None
 
 
-def _is_torch(value: Any) -> bool:
+def is_torch(value: Any) -> bool:
+    """True for a torch tensor (without importing torch)."""
     cls = _torch_tensor_type()
     return cls is not None and isinstance(value, cls)
 
 
-def _is_cupy(value: Any) -> bool:
+def is_cupy(value: Any) -> bool:
+    """True for a cupy array (without importing cupy)."""
     cupy = sys.modules.get("cupy")
     return cupy is not None and isinstance(value, cupy.ndarray)
 
@@ -55,8 +57,8 @@ def is_tensor(value: Any) -> bool:
     """True for numpy arrays, torch tensors, cupy arrays and array-protocol objects."""
     return (
         isinstance(value, np.ndarray)
-        or _is_torch(value)
-        or _is_cupy(value)
+        or is_torch(value)
+        or is_cupy(value)
         or hasattr(value, "__cuda_array_interface__")
     )
 
@@ -65,9 +67,9 @@ def device_type(value: Any) -> str:
     """``"cpu"`` or ``"cuda"`` (the key used to pick a backend)."""
     if isinstance(value, np.ndarray):
         return "cpu"
-    if _is_torch(value):
+    if is_torch(value):
         return str(value.device.type)
-    if _is_cupy(value) or hasattr(value, "__cuda_array_interface__"):
+    if is_cupy(value) or hasattr(value, "__cuda_array_interface__"):
         return "cuda"
     raise TypeError(f"expected a numpy array, torch tensor or cupy array, got {type(value).__name__}")
 
@@ -85,7 +87,7 @@ def describe(value: Any, name: str = "tensor") -> TensorInfo:
             bool(value.flags.c_contiguous),
             bool(value.flags.writeable),
         )
-    if _is_torch(value):
+    if is_torch(value):
         return TensorInfo(
             "torch",
             str(value.device.type),
@@ -96,7 +98,7 @@ def describe(value: Any, name: str = "tensor") -> TensorInfo:
             bool(value.is_contiguous()),
             True,
         )
-    if _is_cupy(value):
+    if is_cupy(value):
         return TensorInfo(
             "cupy",
             "cuda",
@@ -130,7 +132,7 @@ def host_view(value: Any, name: str = "tensor") -> np.ndarray:
     """A numpy array sharing memory with a CPU tensor (no copy)."""
     if isinstance(value, np.ndarray):
         return value
-    if _is_torch(value):
+    if is_torch(value):
         if value.device.type != "cpu":
             raise TypeError(f"{name} is on {value.device}, expected a CPU tensor")
         try:

@@ -23,14 +23,10 @@ from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
 from raycoll.backends.objstore import ObjstoreBackend
 from raycoll.reduce_op import ReduceOp
+from raycoll.tensors import is_torch
 from raycoll.work import DevicePending
 
 __all__ = ["StagedBackend"]
-
-
-def _is_torch(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
 
 
 class _Stage:
@@ -38,7 +34,7 @@ class _Stage:
 
     def __init__(self, value: Any, *, reducing: bool = False, load: bool = True) -> None:
         self.value = value
-        self.torch = _is_torch(value)
+        self.torch = is_torch(value)
         if self.torch:
             self._init_torch(reducing, load)
         else:
