@@ -200,13 +200,13 @@ class ProcessGroup:
                 "it and form it again", group=self._name, rank=self.global_ranks[self._rank],
             ) from self._broken
 
-    def new_call(self, op: str, fp: Optional[Dict[str, Any]] = None) -> Call:
-        """Take the next sequence number for collective ``op``."""
+    def new_call(self, op: str) -> Call:
+        """Take the next sequence number for collective ``op`` (fingerprint set later)."""
         self.check_usable()
         with self._lock:
             self._seq += 1
             seq = self._seq
-        return Call(op, seq, self._timeout_s, dict(fp or {}, op=op))
+        return Call(op, seq, self._timeout_s, {"op": op})
 
     def with_fingerprint(self, call: Call, **fp: Any) -> Call:
         """``call`` with its fingerprint (compared across ranks) set to ``fp``."""
