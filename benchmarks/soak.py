@@ -36,7 +36,7 @@ import raycoll
 from raycoll.coordinator import coordinator_name
 from raycoll.launch import RankWorker
 
-__all__ = ["SoakConfig", "SoakReport", "run", "store_used", "rss_bytes", "main"]
+__all__ = ["SoakConfig", "SoakReport", "run", "store_used", "store_created", "rss_bytes", "main"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class SoakReport:
     store_baseline: int
     store_peak: int
     store_final: int
+    store_created: int
     rank_rss_warm: List[int]
     rank_rss_end: List[int]
     coordinator_rss_warm: List[int]
@@ -84,7 +85,8 @@ class SoakReport:
             f"({(small + large) * self.config['groups'] / self.seconds:.0f} collectives/s over "
             "all groups)",
             f"  object store: baseline {self.store_baseline / mb:.2f} MB, peak "
-            f"{self.store_peak / mb:.1f} MB, final {self.store_final / mb:.2f} MB",
+            f"{self.store_peak / mb:.1f} MB (sampled), final {self.store_final / mb:.2f} MB; "
+            f"{self.store_created / mb:.1f} MB created during the run",
             f"  rank private RSS (MB, warm -> end): " + ", ".join(
                 f"{w / mb:.0f}->{e / mb:.0f}" for w, e in zip(self.rank_rss_warm, self.rank_rss_end))
             + f"; max growth {self.rank_growth() / mb:+.1f} MB",
@@ -109,12 +111,22 @@ def rss_bytes(pid: Optional[int] = None) -> int:
     raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
 
 
-def store_used() -> int:
-    """Object-store bytes in use, summed over the cluster's nodes."""
+def _store_stats() -> Any:
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
-    return int(reply.store_stats.object_store_bytes_used)
+    return get_memory_info_reply(
+        get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+
+
+def store_used() -> int:
+    """Object-store bytes in use, summed over the cluster's nodes."""
+    return int(_store_stats().object_store_bytes_used)
+
+
+def store_created() -> int:
+    """Bytes ever created in the object stores of the cluster's nodes (a counter that only
+    grows: unlike a sampled peak, it cannot miss an object that lived for a millisecond)."""
+    return int(_store_stats().cumulative_created_bytes)
 
 
 def store_settled(limit: int, timeout_s: float = 30.0) -> int:
@@ -266,14 +278,17 @@ def run(cfg: SoakConfig, log: Any = print) -> SoakReport:
         coordinator_warm = [rss_bytes(p) for p in coordinator_pids]
         log(f"soak: main phase, {cfg.rounds} rounds ...")
         started = time.perf_counter()
+        created_before = store_created()
         with _StoreSampler() as sampler:
             end = phase(cfg.warmup_rounds, cfg.rounds)
         seconds = time.perf_counter() - started
+        created = store_created() - created_before
         final = store_settled(baseline + 1_000_000)
         tables = ray.get([c.state_sizes.remote() for c in coordinators], timeout=60)
         report = SoakReport(
             config=conf, collectives=end[0]["counts"], seconds=seconds,
             store_baseline=baseline, store_peak=max(sampler.peak, baseline), store_final=final,
+            store_created=created,
             rank_rss_warm=[r["rss"] for r in warm], rank_rss_end=[r["rss"] for r in end],
             coordinator_rss_warm=coordinator_warm,
             coordinator_rss_end=[rss_bytes(p) for p in coordinator_pids],
