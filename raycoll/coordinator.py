@@ -34,7 +34,8 @@ from raycoll.reduce_op import ReduceOp, reduce_arrays
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Coordinator", "CoordinatorClient", "coordinator_name", "GRACE_S"]
+__all__ = ["Coordinator", "CoordinatorClient", "coordinator_name", "GRACE_S",
+           "fingerprint_mismatch", "unwrap"]
 
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
 GRACE_S = 10.0
@@ -126,6 +127,7 @@ class Coordinator:
         # for the Join context in progress; and how the last finished one ended.
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
+        self._lane_groups: set = set()  # groups whose ranks reported lane progress
 
     # ------------------------------------------------------------------ rendezvous
     async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
@@ -327,9 +329,88 @@ class Coordinator:
             }
             if key in self._broken:
                 out[key]["broken"] = self._broken[key][2]
+            if key in self._lane_groups:
+                out[key]["lane"] = True
             self._join_status(key, out[key])
         return _ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})
+
+    # ------------------------------------------------------------------ shared-memory lane
+    # Small collectives of a group whose ranks share a node skip the coordinator: each rank
+    # writes its message to its own Ray shared-memory channel and reads its peers' (see
+    # raycoll.backends.lane). The coordinator only hears from such a rank when its wait lasts
+    # (``lane_check``, a few times a second at most) or times out (``lane_timeout``); each
+    # of those calls carries what the rank knows of its peers' progress, so timeouts and
+    # group_status still name every rank's last completed collective.
+
+    def lane_check(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int,
+                   fp: Dict[str, Any], progress: Dict[int, Tuple[str, int]],
+                   waiting: Sequence[int] = (), waited_s: float = 0.0) -> Result:
+        """A rank has waited ``waited_s`` in collective ``seq`` on the lane for group ranks
+        ``waiting``: is anything wrong? (Past ``PROBE_AFTER_S`` those ranks are probed, as
+        for waits here.)
+
+        Returns the error that ends its wait, if any: the group is broken or a rank died, a
+        rank rejected its arguments for ``seq``, or ranks came to ``seq`` through the
+        coordinator (they called a different collective, one not for the lane): then that
+        round fails with the mismatch, for them too. Otherwise ``("ok", None)``.
+        """
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, rank, seq, fp.get("op", "?"), progress)
+        if waited_s >= PROBE_AFTER_S:
+            now = time.monotonic()
+            for r in waiting:
+                self._probe_if_due(ranks[r], now)
+        failed = self._dead_error(key)
+        if failed is not None:
+            return failed
+        if key in self._broken:
+            return self._broken[key]
+        rnd = self._rounds.get((key, seq, 0))
+        if rnd is None or rnd.error is None and (rnd.done.is_set() or not rnd.arrivals):
+            return _ok()  # nothing there, or the lane's own set-up round
+        if not rnd.done.is_set():
+            fps = {r: a.fp for r, a in rnd.arrivals.items()}
+            fps[rank] = fp
+            why = fingerprint_mismatch(fps, ranks) or (
+                f"ranks {_fmt_ranks(sorted(ranks[r] for r in rnd.arrivals))} came to it "
+                f"through the coordinator, rank {ranks[rank]} through the shared-memory lane")
+            rnd.error = _err("mismatch", f"{rnd.op} #{seq} on group {key!r}: {why}")
+            self._finish(rnd)
+        return self._collect(key, 0, rnd, rank)
+
+    def lane_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
+                     missing: List[int], progress: Dict[int, Tuple[str, int]],
+                     timeout_s: float) -> Result:
+        """Collective ``seq`` on the lane timed out on ``rank`` waiting for group ranks
+        ``missing``: the error naming them and their last completed collective; the group is
+        broken (as for a timeout through the coordinator)."""
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, rank, seq, op, progress)
+        if key in self._broken:
+            return self._broken[key]
+        error = self._timeout_error(key, op, seq, missing, timeout_s)
+        self._broken[key] = error
+        return error
+
+    def lane_progress(self, key: str, ranks: Tuple[int, ...],
+                      progress: Dict[int, Tuple[str, int]]) -> Result:
+        """What a rank knows of its lane collectives: ``progress[r]`` is the last collective
+        group rank ``r`` completed (for group_status; sent now and then, and before
+        group_status is asked from inside a rank)."""
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, None, 0, "", progress)
+        return _ok()
+
+    def _note_progress(self, key: str, rank: Optional[int], seq: int, op: str,
+                       progress: Dict[int, Tuple[str, int]]) -> None:
+        self._lane_groups.add(key)
+        if rank is not None:
+            self._current[key][rank] = (op, seq)
+        last = self._last[key]
+        for r, done in progress.items():
+            if last.get(r) is None or last[r][1] < done[1]:
+                last[r] = (done[0], done[1])
 
     # ------------------------------------------------------------------ join (uneven inputs)
     # raycoll.Join runs one "join round" per iteration on its group: ranks still processing
@@ -501,23 +582,29 @@ class Coordinator:
         rnd.done.set()
 
     def _time_out(self, key: str, rnd: _Round, timeout_s: float) -> None:
-        ranks = self._groups[key]
         missing_local = [r for r in range(rnd.size) if r not in rnd.arrivals]
+        rnd.error = self._timeout_error(key, rnd.op, rnd.seq, missing_local, timeout_s)
+        if rnd.op != "monitored_barrier":  # a diagnostic: it reports, the group stays usable
+            self._broken[key] = rnd.error
+        self._finish(rnd)
+
+    def _timeout_error(self, key: str, op: str, seq: int, missing_local: Sequence[int],
+                       timeout_s: float) -> Result:
+        """The error of collective ``seq`` timing out with group ranks ``missing_local``
+        absent: names them and the last collective each completed."""
+        ranks = self._groups[key]
         missing = [ranks[r] for r in missing_local]
         lasts = self._last_of(key, missing)
         detail = "; ".join(
             f"rank {g} last completed {lasts[g][0]} #{lasts[g][1]}" if lasts.get(g) else
             f"rank {g} completed nothing on this group" for g in missing
         )
-        rnd.error = _err(
+        return _err(
             "timeout",
-            f"{rnd.op} #{rnd.seq} on group {key!r} timed out after {timeout_s:g}s: ranks "
+            f"{op} #{seq} on group {key!r} timed out after {timeout_s:g}s: ranks "
             f"{_fmt_ranks(missing)} never arrived ({detail})",
             missing=missing,
         )
-        if rnd.op != "monitored_barrier":  # a diagnostic: it reports, the group stays usable
-            self._broken[key] = rnd.error
-        self._finish(rnd)
 
     def _last_of(self, key: str, global_ranks: Sequence[int]) -> Dict[int, Optional[Tuple[str, int]]]:
         ranks = self._groups.get(key, ())
@@ -736,17 +823,22 @@ class Coordinator:
                 else:
                     wake = min(wake, start + PROBE_AFTER_S)
             for g in sorted(due):
-                probe = self._probes.get(g)
-                if g in self._dead or (probe is not None and not probe.done()):
-                    continue
-                if (self._members.get(g) or {}).get("actor") is None:
-                    continue  # not an actor: only its lease watches it
-                answered = self._answered.get(g)
-                if answered is not None and now - answered < REPROBE_S:
-                    wake = min(wake, answered + REPROBE_S)
-                    continue
-                self._probes[g] = asyncio.get_running_loop().create_task(self._probe(g))
+                wake = min(wake, self._probe_if_due(g, now))
             await asyncio.sleep(max(0.01, wake - time.monotonic()))
+
+    def _probe_if_due(self, g: int, now: float) -> float:
+        """Start a probe of global rank ``g`` unless one is out or it answered less than
+        ``REPROBE_S`` ago; returns when it is due again (``inf``: no need)."""
+        probe = self._probes.get(g)
+        if g in self._dead or (probe is not None and not probe.done()):
+            return float("inf")
+        if (self._members.get(g) or {}).get("actor") is None:
+            return float("inf")  # not an actor: only its lease watches it
+        answered = self._answered.get(g)
+        if answered is not None and now - answered < REPROBE_S:
+            return answered + REPROBE_S
+        self._probes[g] = asyncio.get_running_loop().create_task(self._probe(g))
+        return float("inf")
 
     async def _probe(self, g: int) -> None:
         member = self._members.get(g) or {}
@@ -833,7 +925,12 @@ def _fmt_meta(meta: Any) -> str:
 
 
 def _fingerprint_mismatch(rnd: _Round, ranks: Sequence[int]) -> Optional[str]:
-    fps = {r: a.fp for r, a in rnd.arrivals.items()}
+    return fingerprint_mismatch({r: a.fp for r, a in rnd.arrivals.items()}, ranks)
+
+
+def fingerprint_mismatch(fps: Dict[int, Dict[str, Any]], ranks: Sequence[int]) -> Optional[str]:
+    """What the fingerprints ``fps`` (group rank -> fingerprint) disagree on, naming the
+    ranks (global, from ``ranks``) on each side; ``None`` when they all agree."""
     keys = sorted({k for fp in fps.values() for k in fp})
     problems = []
     for k in keys:

@@ -130,6 +130,7 @@ class ProcessGroup:
             timeout_s=timeout_s,
             on_failure=self._on_backend_failure,
             options=root.options,
+            actors=[root.members[g].get("actor") for g in self._global_ranks],
         )
 
     # ------------------------------------------------------------------ torch-like accessors
@@ -217,6 +218,7 @@ class ProcessGroup:
         if self.size() > 1:
             self._root.client.submit("reject", self._name, self._global_ranks, call.seq,
                                      self._rank, call.op, str(exc))
+            self.context.lane_reject(call, str(exc))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:
@@ -396,9 +398,15 @@ class ProcessGroup:
         missing: List[int] = []
         detail = ""
         try:
-            info = self._root.client.call("pending", self._name, call.seq, timeout_s=5.0)
-            missing = list(info["missing"])
-            lasts = info.get("last", {})
+            on_lane = self.context.lane_missing(call.seq)
+            if on_lane is not None:  # the call waits on the shared-memory lane
+                waiting, done = on_lane
+                missing = [self._global_ranks[r] for r in waiting]
+                lasts = {self._global_ranks[r]: done.get(r) for r in waiting}
+            else:
+                info = self._root.client.call("pending", self._name, call.seq, timeout_s=5.0)
+                missing = list(info["missing"])
+                lasts = info.get("last", {})
             detail = "; ".join(
                 f"rank {g} last completed {lasts[g][0]} #{lasts[g][1]}" if lasts.get(g)
                 else f"rank {g} completed nothing on this group" for g in missing)
@@ -432,6 +440,7 @@ class ProcessGroup:
             except Exception:  # noqa: BLE001 - best effort on teardown
                 logger.exception("closing backend of group %r failed", self._name)
         self._backends.clear()
+        self.context.close()
 
     def next_subgroup_name(self, ranks: Sequence[int]) -> str:
         """A name every member derives alike: the ranks and how often they were grouped."""

@@ -22,6 +22,7 @@ from ray.actor import ActorHandle
 
 from raycoll import errors
 from raycoll.backends import BackendConfig
+from raycoll.backends.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
 from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
 from raycoll.work import to_seconds
@@ -185,8 +186,17 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
     joined.
     """
     root = group_name.split("/", 1)[0]
-    raw = _status_client(root).call("status", timeout_s=_TEARDOWN_S, op="group_status",
-                                    group=root)
+    with world().lock:
+        mine = [pg for name, pg in world().groups.items()
+                if name == root or name.startswith(root + "/")]
+    for pg in mine:  # this process is a rank: what its lane knows goes first
+        pg.context.lane_report()
+    client = _status_client(root)
+    raw = client.call("status", timeout_s=_TEARDOWN_S, op="group_status", group=root)
+    if any(isinstance(g, dict) and g.get("lane") for g in raw.get("groups", {}).values()):
+        # ranks report their lane collectives at most REPORT_EVERY_S late: ask again after
+        time.sleep(lane_report_s() + 0.05)
+        raw = client.call("status", timeout_s=_TEARDOWN_S, op="group_status", group=root)
     groups = raw.get("groups", {})
     view = _group_view(group_name, groups.get(group_name, {}),
                        range(raw["world_size"]) if group_name == root else ())
@@ -229,9 +239,12 @@ def _group_view(name: str, raw: Dict[Any, Any], all_ranks: Any) -> Dict[str, Any
     for g in sorted(set(all_ranks) | {k for k in raw if isinstance(k, int)}):
         info = raw.get(g, {})
         current, done = info.get("current"), info.get("last_completed")
-        last = current or done
+        # the newer of the two (a rank's lane collectives update only last_completed)
+        waiting = current is not None and (done is None or tuple(current) != tuple(done)
+                                           and current[1] >= done[1])
+        last = current if waiting else done
         ranks[g] = {"last_collective": tuple(last) if last else None,
-                    "waiting": current is not None and current != done,
+                    "waiting": waiting,
                     "joined": bool(info.get("joined", False))}
     join = raw.get("join") or {}
     return {"ranks": ranks, "joined": list(join.get("joined", [])),

@@ -41,6 +41,11 @@ Completion = Callable[[], Union[Optional[int], DevicePending]]
 Outcome = Optional[DevicePending]
 
 
+#: Steps of a collective whose step 0 set the lane up (and it stayed off) are moved by this
+#: much, so that they do not meet the set-up round at the coordinator.
+_SETUP_STEPS = 1000
+
+
 @dataclass(frozen=True)
 class Call:
     """One collective as issued: its name, sequence number, fingerprint and timeout."""
@@ -79,16 +84,22 @@ class GroupContext:
         timeout_s: float,
         on_failure: Callable[[BaseException], None],
         options: Optional[Dict[str, Any]] = None,
+        actors: Optional[Sequence[Any]] = None,
     ) -> None:
         self.group_name = group_name
         self.rank = rank
         self.global_ranks = tuple(global_ranks)
         self.size = len(self.global_ranks)
         self.node_ids = tuple(node_ids)
+        self.actors = tuple(actors) if actors is not None else (None,) * self.size
         self.client = client
         self.timeout_s = timeout_s
         self.options = dict(options or {})
         self._on_failure = on_failure
+        # The shared-memory lane (see raycoll.backends.lane): None until the first collective
+        # that can use it decides; then a Lane, or False (off on every rank).
+        self._lane: Any = None
+        self._shifted_seq: Optional[int] = None
 
     @property
     def single_node(self) -> bool:
@@ -120,12 +131,73 @@ class GroupContext:
             if mode == "reduce":
                 return reduce_arrays(ReduceOp(*call.fp["reduce_op"]), [payload])
             return [payload[0] if payload is not None else None]
+        if call.seq == self._shifted_seq:
+            step += _SETUP_STEPS  # this call's step 0 set up the lane (which stayed off)
         fp = call.fp if step == 0 else {"op": call.op}
         ref = self.client.submit("exchange_packed", (
             self.group_name, self.global_ranks, call.seq, step, self.rank, fp,
             send_meta, recv_meta, payload, mode, root, call.timeout_s,
         ))
         return self.client.wait(ref, call.timeout_s, **self.ctx(call))
+
+    # ------------------------------------------------------------------ the lane
+    def lane_gather(self, call: Call, payload: Any) -> Optional[List[Any]]:
+        """Every rank's ``payload`` for ``call`` (by group rank) through the shared-memory
+        lane, or ``None`` when this group does not use the lane (then use :meth:`exchange`).
+
+        Every rank must make the same call here for the same collective: the backend calls
+        it only for collectives whose every rank's payload is small, as decided from the
+        arguments the ranks must agree on (their fingerprint).
+        """
+        lane = self._lane
+        if lane is None:
+            lane = self._set_up_lane(call)
+        if lane is False:
+            return None
+        return lane.all_gather(call, payload)
+
+    def _set_up_lane(self, call: Call) -> Any:
+        """Decide, inside ``call`` and identically on every rank, whether the group uses the
+        lane; set it up if so (one exchange of the ranks' channels as step 0 of ``call``)."""
+        from raycoll.backends import lane as _lane_mod
+
+        if not _lane_mod.lane_possible(self):
+            self._lane = False
+            return False
+        mine = _lane_mod.open_channel(self)
+        got = self.exchange(call, 0, [mine] * self.size)
+        if any(c is None for j, c in enumerate(got) if j != self.rank) or mine is None:
+            self._lane = False
+            self._shifted_seq = call.seq
+            return False
+        self._lane = _lane_mod.Lane(self, mine, {j: c for j, c in enumerate(got) if j != self.rank})
+        return self._lane
+
+    def lane_reject(self, call: Call, message: str) -> None:
+        """This rank rejected its arguments for ``call``: tell lane readers now."""
+        if self._lane:
+            self._lane.reject(call, message)
+
+    def lane_report(self) -> None:
+        """Send the coordinator what this rank's lane knows of every rank's progress."""
+        if self._lane:
+            self._lane.report(force=True)
+
+    def lane_missing(self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:
+        """If collective ``seq`` is waiting on the lane: the group ranks it waits for, and
+        each rank's last completed collective (``(op, seq)``, by group rank)."""
+        return self._lane.missing(seq) if self._lane else None
+
+    @property
+    def lane_calls(self) -> int:
+        """How many collectives went through the shared-memory lane on this rank."""
+        return self._lane.calls if self._lane else 0
+
+    def close(self) -> None:
+        """Release the lane's channels."""
+        if self._lane:
+            self._lane.close()
+        self._lane = False
 
     def fail(self, exc: BaseException) -> None:
         """Report a failure that breaks the group (e.g. a peer's object was lost)."""

@@ -4,9 +4,15 @@ Every collective is one or two *steps*; a step is one round trip to the coordina
 (:meth:`GroupContext.exchange`), which matches the ranks' arrivals and routes what each rank
 sends to each other rank. What travels depends on the size and the topology:
 
-- **inline**: when everything a rank sends in a step is at most ``inline_bytes``, the arrays
-  ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced by the
-  coordinator: one round trip, no object store at all);
+- **the shared-memory lane** (:mod:`raycoll.backends.lane`): when every rank's part of a
+  one-step collective is at most ``inline_bytes`` and all ranks are actors on one node, each
+  rank writes its part to its own Ray shared-memory channel and reads its peers' parts: no
+  coordinator call at all (all_reduce, reduce, broadcast, all_gather(_into_tensor), gather,
+  scatter, reduce_scatter(_tensor), barrier; all_to_all, whose per-peer sizes may differ, and
+  the object collectives stay on the coordinator);
+- **inline**: otherwise, when everything a rank sends in a step is at most ``inline_bytes``,
+  the arrays ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced
+  by the coordinator: one round trip, no object store at all);
 - **one object per step** (all ranks on one node): the pieces a rank sends to its peers are
   put together in one ``ray.put`` of a list of arrays; each peer maps the object zero-copy and
   takes its piece, so a step costs one put of exactly the bytes the peers need;
@@ -48,7 +54,8 @@ by default every second), so back-to-back collectives keep up to a second's wort
 objects in the store until Ray's next batch; use is back at its baseline then. Measured peaks
 are in benchmarks/BENCHMARKS.md.
 
-Thresholds are group options (``create_group(..., options={...})``): ``inline_bytes``,
+Thresholds are group options (``create_group(..., options={...})``): ``lane`` (``False``:
+no shared-memory lane), ``inline_bytes``,
 ``direct_bytes``, ``direct_max_ranks``, ``segment_bytes``, and ``all_reduce_algo``
 (``"inline"``, ``"direct"``, ``"rs_ag"``) or ``put`` (``"auto"``, ``"combined"``,
 ``"per_peer"``) to force a choice when measuring.
@@ -63,7 +70,7 @@ import numpy as np
 import ray
 
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
-from raycoll.reduce_op import ReduceOp, combine, finalize
+from raycoll.reduce_op import ReduceOp, combine, finalize, reduce_arrays
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
 
@@ -253,9 +260,15 @@ class ObjstoreBackend(CollectiveBackend):
         (flat). Returns our payloads: keep them referenced until the peers are done.
         """
         me, size = self.ctx.rank, self.ctx.size
-        sent = self._publish({j: pieces[j] for j in range(size) if j != me})
-        got = self.ctx.exchange(call, step, sent)
-        received = self._fetch(got, call)
+        sent: List[Payload] = []
+        lane = None
+        if step == 0 and sum(p.nbytes for j, p in enumerate(pieces) if j != me) <= self.inline_bytes:
+            lane = self.ctx.lane_gather(call, [p if j != me else None for j, p in enumerate(pieces)])
+        if lane is not None:
+            received = {s: [np.asarray(got[me]).reshape(-1)] for s, got in enumerate(lane) if s != me}
+        else:
+            sent = self._publish({j: pieces[j] for j in range(size) if j != me})
+            received = self._fetch(self.ctx.exchange(call, step, sent), call)
         own = _flat_in(pieces[me])
         first: Optional[np.ndarray] = None if np.shares_memory(out, own) else own
         for s in sorted(received):
@@ -271,11 +284,15 @@ class ObjstoreBackend(CollectiveBackend):
                      root: Optional[int] = None) -> None:
         """Every rank's ``mine`` lands in ``outs[rank]`` (only on ``root``, when given)."""
         me, size = self.ctx.rank, self.ctx.size
-        to = [j for j in range(size) if j != me and (root is None or j == root)]
-        got = self.ctx.exchange(call, step, self._publish_same(mine, to))
+        lane = self.ctx.lane_gather(call, mine) if step == 0 and mine.nbytes <= self.inline_bytes \
+            else None
+        if lane is None:
+            to = [j for j in range(size) if j != me and (root is None or j == root)]
+            got = self.ctx.exchange(call, step, self._publish_same(mine, to))
         if root is not None and me != root:
             return
-        received = self._fetch(got, call)
+        received = ({s: [np.asarray(a).reshape(-1)] for s, a in enumerate(lane) if s != me}
+                    if lane is not None else self._fetch(got, call))
         _copy_into(outs[me], [_flat_in(mine)])
         for s, segs in received.items():
             _copy_into(outs[s], segs)
@@ -303,7 +320,9 @@ class ObjstoreBackend(CollectiveBackend):
         with _flat_out(arr) as flat:
             algo = self._all_reduce_algo(flat.nbytes)
             if algo == "inline":
-                np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
+                lane = self.ctx.lane_gather(call, flat)
+                np.copyto(flat, reduce_arrays(op, lane) if lane is not None
+                          else self.ctx.exchange(call, 0, flat, mode="reduce"))
             elif algo == "direct":
                 self._direct_all_reduce(flat, op, call)
             else:
@@ -345,7 +364,11 @@ class ObjstoreBackend(CollectiveBackend):
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
         if self._all_reduce_algo(arr.nbytes) == "inline":
-            result = self.ctx.exchange(call, 0, _flat_in(arr), mode="reduce", root=dst)
+            lane = self.ctx.lane_gather(call, _flat_in(arr))
+            if lane is not None:
+                result = reduce_arrays(op, lane) if me == dst else None
+            else:
+                result = self.ctx.exchange(call, 0, _flat_in(arr), mode="reduce", root=dst)
             if me == dst:
                 with _flat_out(arr) as flat:
                     np.copyto(flat, result)
@@ -382,6 +405,12 @@ class ObjstoreBackend(CollectiveBackend):
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
+        if size > 1 and arr.nbytes <= self.inline_bytes:
+            lane = self.ctx.lane_gather(call, arr if me == src else None)
+            if lane is not None:
+                if me != src:
+                    _copy_into(arr, [np.asarray(lane[src]).reshape(-1)])
+                return
         if me == src:
             sent = self._publish_same(arr, [j for j in range(size) if j != me])
             self.ctx.exchange(call, 0, sent)
@@ -411,6 +440,14 @@ class ObjstoreBackend(CollectiveBackend):
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None:
         out = host_view(output)
         me, size = self.ctx.rank, self.ctx.size
+        if size > 1 and out.nbytes * (size - 1) <= self.inline_bytes:
+            mine = ([host_view(t) if j != me else None for j, t in enumerate(inputs or [])]
+                    if me == src else None)
+            lane = self.ctx.lane_gather(call, mine)
+            if lane is not None:
+                piece = host_view((inputs or [])[me]) if me == src else lane[src][me]
+                _copy_into(out, [np.asarray(piece).reshape(-1)])
+                return
         if me == src:
             arrays = [host_view(t) for t in inputs or []]
             sent = self._publish({j: arrays[j] for j in range(size) if j != me})
@@ -452,6 +489,10 @@ class ObjstoreBackend(CollectiveBackend):
         del received
 
     def barrier(self, call: Call) -> None:
+        # monitored_barrier stays on the coordinator: it reports who is missing, and does not
+        # break the group when it times out
+        if call.op == "barrier" and self.ctx.lane_gather(call, None) is not None:
+            return
         self.ctx.exchange(call, 0, None)
 
     # ------------------------------------------------------------------ point to point

@@ -1,0 +1,169 @@
+"""The shared-memory lane (raycoll/backends/lane.py): small collectives among ranks on one
+node go through Ray channels instead of the coordinator, with the same results and the same
+errors (mismatches, rejected arguments, ranks on the other path) on every rank, at once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+from raycoll.group import world
+
+
+@pytest.fixture(scope="module")
+def actors(ray_local: None) -> Any:
+    pool = [ray.remote(raycoll.launch.RankWorker).options(num_cpus=0).remote() for _ in range(3)]
+    yield pool
+    for actor in pool:
+        ray.kill(actor, no_restart=True)
+
+
+def _on(team: List[Any], fn: Any, options: Dict[str, Any] = None, timeout: float = 60.0,
+        args: tuple = ()) -> List[Any]:
+    name = f"lane-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(team, group_name=name, options=options or {}, timeout=timeout)
+    try:
+        return ray.get([a.run.remote(fn, r, args, {}) for r, a in enumerate(team)], timeout=120)
+    finally:
+        raycoll.destroy_group(name)
+
+
+def _outcome(fn: Any) -> Any:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def _works() -> bool:
+    x = np.ones(3)
+    raycoll.all_reduce(x)
+    return x.tolist() == [float(raycoll.get_world_size())] * 3
+
+
+def _small_collectives(rank: int) -> Dict[str, Any]:
+    w = raycoll.get_world_size()
+    out: Dict[str, Any] = {}
+    x = np.arange(5, dtype=np.float64) * (rank + 1)
+    raycoll.all_reduce(x)
+    out["all_reduce"] = x.tolist()
+    y = np.full(3, rank, dtype=np.int32)
+    raycoll.broadcast(y, src=w - 1)
+    out["broadcast"] = y.tolist()
+    g = np.zeros(2 * w, dtype=np.int64)
+    raycoll.all_gather_into_tensor(g, np.array([rank, 10 * rank]))
+    out["all_gather"] = g.tolist()
+    rs = np.zeros(2)
+    raycoll.reduce_scatter_tensor(rs, np.arange(2.0 * w) + rank)
+    out["reduce_scatter"] = rs.tolist()
+    sc = np.zeros(2)
+    raycoll.scatter(sc, [np.full(2, 7.0 + j) for j in range(w)] if rank == 0 else None, src=0)
+    out["scatter"] = sc.tolist()
+    red = np.full(2, rank + 1.0)
+    raycoll.reduce(red, dst=1, op=raycoll.ReduceOp.MAX)
+    out["reduce"] = red.tolist()
+    raycoll.barrier()
+    pg = world().default
+    out["lane_calls"] = pg.context.lane_calls
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_small_collectives_go_through_the_lane_with_the_coordinators_results(actors):
+    w = 3
+    on_lane = _on(actors, _small_collectives)
+    off_lane = _on(actors, _small_collectives, options={"lane": False})
+    for rank, (a, b) in enumerate(zip(on_lane, off_lane)):
+        assert a["lane_calls"] == 7, a  # every collective but the first (which set it up)
+        assert b["lane_calls"] == 0, b
+        for key in a:
+            if key != "lane_calls":
+                assert a[key] == b[key], (rank, key, a[key], b[key])
+        assert a["all_reduce"] == (np.arange(5.0) * 6).tolist()
+        assert a["broadcast"] == [w - 1] * 3
+        assert a["all_gather"] == [0, 0, 1, 10, 2, 20]
+        assert a["scatter"] == [7.0 + rank] * 2
+    assert on_lane[1]["reduce"] == [3.0, 3.0]
+    assert on_lane[0]["reduce"] == [1.0, 1.0]  # not the root: its buffer is left as it was
+
+
+def _mismatch_across_paths(rank: int) -> Any:
+    _works()  # the lane is set up
+    # rank 0: a small all_reduce (lane); rank 1: a large one (through the coordinator)
+    n = 4 if rank == 0 else 200_000
+    got = _outcome(lambda: raycoll.all_reduce(np.ones(n)))
+    return got, _works(), _works()
+
+
+@pytest.mark.timeout(120)
+def test_lane_rank_and_coordinator_rank_in_one_call_both_get_the_mismatch(actors):
+    for (kind, message, took), ok, again in _on(actors[:2], _mismatch_across_paths):
+        assert kind == "CollectiveMismatchError", message
+        assert "shape" in message and "(4,)" in message and "(200000,)" in message, message
+        assert took < 5.0, took
+        assert ok and again
+
+
+def _mismatch_on_lane(rank: int) -> Any:
+    _works()
+    dtype = np.float32 if rank == 0 else np.int32  # same size: both on the lane
+    got = _outcome(lambda: raycoll.all_reduce(np.ones(4, dtype=dtype)))
+    root = _outcome(lambda: raycoll.broadcast(np.ones(2), src=rank))
+    other = _outcome(lambda: raycoll.barrier() if rank == 2 else raycoll.all_reduce(np.ones(1)))
+    return got, root, other, _works()
+
+
+@pytest.mark.timeout(120)
+def test_mismatches_on_the_lane_are_reported_alike_on_every_rank(actors):
+    results = _on(actors, _mismatch_on_lane)
+    for got, root, other, ok in results:
+        assert got[0] == "CollectiveMismatchError" and "dtype" in got[1], got
+        assert "ranks [0] passed 'float32'" in got[1] and "ranks [1, 2] passed 'int32'" in got[1]
+        assert root[0] == "CollectiveMismatchError" and "root" in root[1], root
+        assert other[0] == "CollectiveMismatchError" and "op" in other[1], other
+        assert ok
+    assert len({r[0][1] for r in results}) == 1, "every rank must report the same mismatch"
+
+
+def _rejects(rank: int) -> Any:
+    _works()
+    bad = _outcome(lambda: raycoll.broadcast(np.ones(2), src=7 if rank == 0 else 0))
+    return bad, _works()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_rejecting_its_arguments_fails_its_lane_peers_at_once(actors):
+    results = _on(actors, _rejects)
+    assert results[0][0][0] == "ValueError", results[0]
+    for (kind, message, took), ok in results[1:]:
+        assert kind == "PeerArgumentError", message
+        assert "rank 0 rejected its arguments" in message
+        assert took < 2.0, took
+    assert all(ok for _, ok in results)
+
+
+def _stalls(rank: int) -> Any:
+    _works()
+    if rank == 1:
+        time.sleep(3.5)
+        return None
+    return _outcome(lambda: raycoll.all_reduce(np.ones(2)))
+
+
+@pytest.mark.timeout(120)
+def test_lane_timeout_names_the_missing_rank_and_its_last_collective(actors):
+    results = _on(actors, _stalls, timeout=2.0)
+    for res in (results[0], results[2]):
+        kind, message, took = res
+        assert kind == "DistTimeoutError", res
+        assert "all_reduce #2" in message and "ranks [1] never arrived" in message, message
+        assert "rank 1 last completed all_reduce #1" in message, message
+        assert 1.9 < took < 8.0, took
