@@ -44,6 +44,16 @@ def ranks(ray_local):
 
 
 @pytest.fixture(scope="module")
+def rank_actors(ray_local):
+    """Three zero-CPU ``RankWorker`` actors for tests that form groups with options
+    (``raycoll.create_group(rank_actors, options=...)``)."""
+    pool = [ray.remote(raycoll.launch.RankWorker).options(num_cpus=0).remote() for _ in range(3)]
+    yield pool
+    for actor in pool:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture(scope="module")
 def two_nodes():
     """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), custom resources
     ``node0`` / ``node1`` to place actors on each. Replaces the session's local Ray."""

@@ -17,11 +17,8 @@ from raycoll.group import world
 
 
 @pytest.fixture(scope="module")
-def actors(ray_local: None) -> Any:
-    pool = [ray.remote(raycoll.launch.RankWorker).options(num_cpus=0).remote() for _ in range(3)]
-    yield pool
-    for actor in pool:
-        ray.kill(actor, no_restart=True)
+def actors(rank_actors: List[Any]) -> List[Any]:
+    return rank_actors
 
 
 def _on(team: List[Any], fn: Any, options: Dict[str, Any] = None, timeout: float = 60.0,
@@ -167,3 +164,25 @@ def test_lane_timeout_names_the_missing_rank_and_its_last_collective(actors):
         assert "all_reduce #2" in message and "ranks [1] never arrived" in message, message
         assert "rank 1 last completed all_reduce #1" in message, message
         assert 1.9 < took < 8.0, took
+
+
+def _two_all_reduces(rank: int) -> int:
+    _works()
+    _works()
+    return world().default.context.lane_calls
+
+
+@pytest.mark.timeout(180)
+def test_re_forming_groups_reuses_the_lane_channels(actors):
+    """Ray frees a channel's memory only when its actor exits: the lane must reuse channels
+    across groups of the same actors instead of leaking ~100 KiB per peer and formation."""
+    from helpers import store_used
+
+    assert _on(actors, _two_all_reduces) == [2, 2, 2]
+    assert _on(actors[:2], _two_all_reduces) == [2, 2]
+    time.sleep(0.5)
+    before = store_used()[0]
+    for team in (actors, actors[:2], actors, actors[:2], actors):
+        assert _on(team, _two_all_reduces) == [2] * len(team)
+    time.sleep(0.5)
+    assert store_used()[0] <= before + 50_000, (before, store_used())

@@ -116,11 +116,8 @@ def _check(results: List[Dict[str, Any]], world: int, n: int, dtype: str) -> Non
 
 
 @pytest.fixture(scope="module")
-def actors(ray_local: None) -> Any:
-    pool = [ray.remote(raycoll.launch.RankWorker).options(num_cpus=0).remote() for _ in range(3)]
-    yield pool
-    for actor in pool:
-        ray.kill(actor, no_restart=True)
+def actors(rank_actors: List[Any]) -> List[Any]:
+    return rank_actors
 
 
 @pytest.mark.timeout(240)

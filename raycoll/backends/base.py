@@ -11,6 +11,7 @@ the call's timeout.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
@@ -165,12 +166,19 @@ class GroupContext:
             self._lane = False
             return False
         mine = _lane_mod.open_channel(self)
-        got = self.exchange(call, 0, [mine] * self.size)
-        if any(c is None for j, c in enumerate(got) if j != self.rank) or mine is None:
+        epoch = uuid.uuid4().hex
+        try:
+            got = self.exchange(call, 0, [(mine, epoch)] * self.size)
+        except BaseException:
+            _lane_mod.release_channel(self, mine)
+            raise
+        if any(c is None for c, _ in got) or mine is None:
+            _lane_mod.release_channel(self, mine)
             self._lane = False
             self._shifted_seq = call.seq
             return False
-        self._lane = _lane_mod.Lane(self, mine, {j: c for j, c in enumerate(got) if j != self.rank})
+        self._lane = _lane_mod.Lane(self, mine, {j: c for j, (c, _) in enumerate(got) if j != self.rank},
+                                    epoch=got[0][1])
         return self._lane
 
     def lane_reject(self, call: Call, message: str) -> None:
