@@ -122,13 +122,15 @@ def actors(rank_actors: List[Any]) -> List[Any]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("options", [
-    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000},
-    {"all_reduce_algo": "direct", "inline_bytes": 0, "segment_bytes": 1000, "put": "per_peer"},
-    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "put": "per_peer"},
-    {"all_reduce_algo": "inline"},
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000, "lane": False},
+    {"all_reduce_algo": "direct", "inline_bytes": 0, "segment_bytes": 1000, "put": "per_peer",
+     "lane": False},
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "put": "per_peer", "lane": False},
     {"all_reduce_algo": "inline", "lane": False},
-], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-lane",
-        "inline-coordinator"])
+    {},
+    {"lane_bytes": 4096},
+], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-coordinator",
+        "lane", "lane-4KiB-then-objects"])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
 def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dtype: str) -> None:
     world, n = 3, 1001  # chunks of 334/334/333 elements; 1000-byte segments split unevenly

@@ -91,6 +91,8 @@ def lane_possible(ctx: "GroupContext") -> bool:
     process being the rank's actor, and the group option ``lane`` not switched off."""
     if ctx.size < 2 or not ctx.options.get("lane", True) or not ctx.single_node:
         return False
+    if ctx.size > int(ctx.options.get("lane_max_ranks", 2 * _cores())):
+        return False  # polling W - 1 channels on each of W oversubscribed ranks loses
     if any(a is None for a in ctx.actors):
         return False
     try:
@@ -117,12 +119,12 @@ def _pool_key(ctx: "GroupContext") -> Tuple[Tuple[str, ...], int]:
 
 
 def _buffer_bytes(ctx: "GroupContext") -> int:
-    """Room for the largest lane message of the group: its inline payload size and the
-    message around it (Ray would grow a channel whose message does not fit, and the old
-    buffer would stay allocated)."""
-    from raycoll.backends.objstore import INLINE_BYTES
+    """Room for the largest lane message of the group: ``lane_bytes`` of arrays and the
+    message around them (a channel never has to grow: Ray would keep the old buffer, and a
+    growth interrupted by a timeout would lose the readers)."""
+    from raycoll.backends.objstore import lane_bytes
 
-    return int(ctx.options.get("inline_bytes", INLINE_BYTES)) + 64 * ctx.size + 8192
+    return lane_bytes(ctx.options) + 512 * ctx.size + 16384
 
 
 def open_channel(ctx: "GroupContext") -> Any:

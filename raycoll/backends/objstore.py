@@ -74,12 +74,17 @@ from raycoll.reduce_op import ReduceOp, combine, finalize, reduce_arrays
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
 
-__all__ = ["ObjstoreBackend", "INLINE_BYTES", "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
+__all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
 
 #: Everything a rank sends in one step travels inline in the coordinator call up to this size:
 #: just under Ray's limit for arguments passed by value (100 KiB, ``max_direct_call_object_size``)
 #: above which Ray itself puts them into the object store (measured slower than our own put).
 INLINE_BYTES = 96 * 1024
+#: A one-step collective whose every rank's part is at most this size goes through the
+#: shared-memory lane when the group has one (group option ``lane_bytes``). Each rank's
+#: channel is allocated at this size (plus room for the message around it) for as long as the
+#: rank's process lives (see raycoll.backends.lane): a fixed cost, like NCCL's buffers.
+LANE_BYTES = 4 << 20
 #: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
 #: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
 DIRECT_BYTES = 1 << 20
@@ -95,6 +100,13 @@ DIRECT_MAX_RANKS = 4
 SEGMENT_BYTES = 8 << 20
 
 _ALGOS = ("inline", "direct", "rs_ag")
+
+
+def lane_bytes(options: Dict[str, Any]) -> int:
+    """The group's ``lane_bytes`` option (0 when ``lane=False``)."""
+    if not options.get("lane", True):
+        return 0
+    return int(options.get("lane_bytes", LANE_BYTES))
 _PUTS = ("auto", "combined", "per_peer")
 
 #: What one rank sends another in a step: an inline array, or ``(ref, start, stop)``: the
@@ -166,6 +178,7 @@ class ObjstoreBackend(CollectiveBackend):
         super().__init__(ctx)
         opts = ctx.options
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
+        self.lane_bytes = lane_bytes(opts)
         self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
         self.direct_max_ranks = int(opts.get("direct_max_ranks", DIRECT_MAX_RANKS))
         self.segment_bytes = int(opts.get("segment_bytes", SEGMENT_BYTES))
@@ -262,7 +275,7 @@ class ObjstoreBackend(CollectiveBackend):
         me, size = self.ctx.rank, self.ctx.size
         sent: List[Payload] = []
         lane = None
-        if step == 0 and sum(p.nbytes for j, p in enumerate(pieces) if j != me) <= self.inline_bytes:
+        if step == 0 and sum(p.nbytes for j, p in enumerate(pieces) if j != me) <= self.lane_bytes:
             lane = self.ctx.lane_gather(call, [p if j != me else None for j, p in enumerate(pieces)])
         if lane is not None:
             received = {s: [np.asarray(got[me]).reshape(-1)] for s, got in enumerate(lane) if s != me}
@@ -284,7 +297,7 @@ class ObjstoreBackend(CollectiveBackend):
                      root: Optional[int] = None) -> None:
         """Every rank's ``mine`` lands in ``outs[rank]`` (only on ``root``, when given)."""
         me, size = self.ctx.rank, self.ctx.size
-        lane = self.ctx.lane_gather(call, mine) if step == 0 and mine.nbytes <= self.inline_bytes \
+        lane = self.ctx.lane_gather(call, mine) if step == 0 and mine.nbytes <= self.lane_bytes \
             else None
         if lane is None:
             to = [j for j in range(size) if j != me and (root is None or j == root)]
@@ -318,11 +331,18 @@ class ObjstoreBackend(CollectiveBackend):
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
         with _flat_out(arr) as flat:
-            algo = self._all_reduce_algo(flat.nbytes)
-            if algo == "inline":
-                lane = self.ctx.lane_gather(call, flat)
-                np.copyto(flat, reduce_arrays(op, lane) if lane is not None
-                          else self.ctx.exchange(call, 0, flat, mode="reduce"))
+            lane = self.ctx.lane_gather(call, flat) if flat.nbytes <= self.lane_bytes else None
+            algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
+            if algo == "lane":
+                me = self.ctx.rank
+                own = np.array(flat) if me >= 2 else None  # flat is overwritten first
+                del lane[me]  # our own buffer
+                terms = {s if s < me else s + 1: [np.asarray(a).reshape(-1)]
+                         for s, a in enumerate(lane)}
+                del lane
+                self._reduce_ranked(flat, op, terms, lambda: [own])
+            elif algo == "inline":
+                np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
             elif algo == "direct":
                 self._direct_all_reduce(flat, op, call)
             else:
@@ -340,6 +360,18 @@ class ObjstoreBackend(CollectiveBackend):
         sent = self._publish_same(flat, [j for j in range(size) if j != me])
         got = self.ctx.exchange(call, 0, sent)
         terms = self._fetch(got, call)
+        mine = sent[0]
+        self._reduce_ranked(flat, op, terms, lambda: (
+            self._fetch([mine], call)[0] if isinstance(mine, tuple) else [np.array(flat)]))
+        del sent
+
+    def _reduce_ranked(self, flat: np.ndarray, op: ReduceOp, terms: Dict[int, Segments],
+                       own: Any) -> None:
+        """``flat = x0 (op) x1 (op) ... (op) x(W-1)``, in rank order, where ``terms[s]`` is
+        rank ``s``'s buffer (every rank but this one) and ``flat`` is this rank's; ``own()``
+        gives this rank's buffer as segments when it is needed after ``flat`` is overwritten
+        (ranks 2 and up). Every rank computes bitwise the same result."""
+        me, size = self.ctx.rank, self.ctx.size
         if me == 0:
             _reduce_into(op, flat, terms[1])
         elif me == 1:
@@ -348,23 +380,20 @@ class ObjstoreBackend(CollectiveBackend):
             for lo, hi, a in _spans(terms[0]):
                 _combine_into(op, flat[lo:hi], a, flat[lo:hi])
         else:
-            # Our buffer is overwritten by x0 (op) x1 first: read our own term from our object.
-            mine = sent[0]
-            terms[me] = (self._fetch([mine], call)[0] if isinstance(mine, tuple)
-                         else [np.array(flat)])
+            # Our buffer is overwritten by x0 (op) x1 first: our own term comes from own().
+            terms[me] = own()
             for (lo, hi, a), (_, _, b) in zip(_spans(terms[0]), _spans(terms[1])):
                 _combine_into(op, flat[lo:hi], a, b)
         for s in range(2, size):
             _reduce_into(op, flat, terms[s])
         del terms
         finalize(op, flat, size)
-        del sent
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
-        if self._all_reduce_algo(arr.nbytes) == "inline":
-            lane = self.ctx.lane_gather(call, _flat_in(arr))
+        lane = self.ctx.lane_gather(call, _flat_in(arr)) if arr.nbytes <= self.lane_bytes else None
+        if lane is not None or self._all_reduce_algo(arr.nbytes) == "inline":
             if lane is not None:
                 result = reduce_arrays(op, lane) if me == dst else None
             else:
@@ -405,7 +434,7 @@ class ObjstoreBackend(CollectiveBackend):
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
-        if size > 1 and arr.nbytes <= self.inline_bytes:
+        if size > 1 and arr.nbytes <= self.lane_bytes:
             lane = self.ctx.lane_gather(call, arr if me == src else None)
             if lane is not None:
                 if me != src:
@@ -440,7 +469,7 @@ class ObjstoreBackend(CollectiveBackend):
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None:
         out = host_view(output)
         me, size = self.ctx.rank, self.ctx.size
-        if size > 1 and out.nbytes * (size - 1) <= self.inline_bytes:
+        if size > 1 and out.nbytes * (size - 1) <= self.lane_bytes:
             mine = ([host_view(t) if j != me else None for j, t in enumerate(inputs or [])]
                     if me == src else None)
             lane = self.ctx.lane_gather(call, mine)
