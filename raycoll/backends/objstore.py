@@ -5,7 +5,8 @@ Every collective is one or two *steps*; a step is one round trip to the coordina
 sends to each other rank. What travels depends on the size and the topology:
 
 - **the shared-memory lane** (:mod:`raycoll.backends.lane`): when every rank's part of a
-  one-step collective is at most ``inline_bytes`` and all ranks are actors on one node, each
+  one-step collective is at most ``lane_bytes`` (4 MiB) and all ranks are actors on one node
+  (at most ``lane_max_ranks`` of them), each
   rank writes its part to its own Ray shared-memory channel and reads its peers' parts: no
   coordinator call at all (all_reduce, reduce, broadcast, all_gather(_into_tensor), gather,
   scatter, reduce_scatter(_tensor), barrier; all_to_all, whose per-peer sizes may differ, and
@@ -55,7 +56,7 @@ objects in the store until Ray's next batch; use is back at its baseline then. M
 are in benchmarks/BENCHMARKS.md.
 
 Thresholds are group options (``create_group(..., options={...})``): ``lane`` (``False``:
-no shared-memory lane), ``inline_bytes``,
+no shared-memory lane), ``lane_bytes``, ``lane_max_ranks``, ``inline_bytes``,
 ``direct_bytes``, ``direct_max_ranks``, ``segment_bytes``, and ``all_reduce_algo``
 (``"inline"``, ``"direct"``, ``"rs_ag"``) or ``put`` (``"auto"``, ``"combined"``,
 ``"per_peer"``) to force a choice when measuring.
@@ -179,6 +180,7 @@ class ObjstoreBackend(CollectiveBackend):
         opts = ctx.options
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
         self.lane_bytes = lane_bytes(opts)
+        self._scratch_buf: Optional[np.ndarray] = None
         self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
         self.direct_max_ranks = int(opts.get("direct_max_ranks", DIRECT_MAX_RANKS))
         self.segment_bytes = int(opts.get("segment_bytes", SEGMENT_BYTES))
@@ -192,6 +194,14 @@ class ObjstoreBackend(CollectiveBackend):
                              f"(group {ctx.group_name!r})")
         self.algo: Optional[str] = algo
         self.combined = put == "combined" or (put == "auto" and ctx.single_node)
+
+    def _scratch(self, like: np.ndarray) -> np.ndarray:
+        """A kept flat buffer of ``like``'s dtype and size (grown as needed, up to the lane's
+        largest part)."""
+        need = like.nbytes
+        if self._scratch_buf is None or self._scratch_buf.nbytes < need:
+            self._scratch_buf = np.empty(max(need, 4096), dtype=np.uint8)
+        return self._scratch_buf[:need].view(like.dtype)
 
     # ------------------------------------------------------------------ publishing
     def _put(self, arrays: Sequence[np.ndarray]) -> Tuple[Any, List[Tuple[int, int]]]:
@@ -334,13 +344,17 @@ class ObjstoreBackend(CollectiveBackend):
             lane = self.ctx.lane_gather(call, flat) if flat.nbytes <= self.lane_bytes else None
             algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
             if algo == "lane":
-                me = self.ctx.rank
-                own = np.array(flat) if me >= 2 else None  # flat is overwritten first
-                del lane[me]  # our own buffer
-                terms = {s if s < me else s + 1: [np.asarray(a).reshape(-1)]
-                         for s, a in enumerate(lane)}
+                # The same operations on every rank, into a scratch buffer that aliases no
+                # input: numpy's complex kernels round differently when the output aliases an
+                # input, and every rank must hold bitwise the same result. The scratch buffer
+                # is kept (a fresh one per call costs page faults: 2.4x slower at 4 MiB).
+                out = self._scratch(flat)
+                _combine_into(op, out, lane[0], lane[1])
+                for s in range(2, len(lane)):
+                    combine(op, out, lane[s])
+                finalize(op, out, len(lane))
                 del lane
-                self._reduce_ranked(flat, op, terms, lambda: [own])
+                np.copyto(flat, out)
             elif algo == "inline":
                 np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
             elif algo == "direct":
