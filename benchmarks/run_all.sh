@@ -19,6 +19,10 @@ run ops2_raycol --op all_reduce,broadcast,reduce,all_gather,reduce_scatter --siz
 run ops4_gloo --op all_reduce,broadcast,all_gather,reduce_scatter,all_to_all --sizes 4,256K,4M,64M \
     --world-size 4 --vs gloo --check --iters 8 --warmup 2
 run small2 --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines
+run small2_coordinator --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines \
+    --set lane=false
+run lane64m --op all_reduce,broadcast,all_gather --sizes 16M,64M --world-size 2 --vs gloo --iters 10 \
+    --warmup 3 --check --set lane_bytes=67108864
 run nodes2 --op all_reduce,broadcast,all_gather --sizes 4M,64M --world-size 2 --nodes 2 \
     --iters 6 --warmup 2 --check --baselines
 run curve_size --op all_reduce --sizes 4:64M:x4 --world-size 2 --vs gloo --iters 10 --warmup 3 \
