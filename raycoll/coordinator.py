@@ -35,7 +35,7 @@ from raycoll.reduce_op import ReduceOp, reduce_arrays
 logger = logging.getLogger("raycoll")
 
 __all__ = ["Coordinator", "CoordinatorClient", "coordinator_name", "GRACE_S",
-           "fingerprint_mismatch", "unwrap"]
+           "fingerprint_mismatch", "meta_mismatch", "unwrap"]
 
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
 GRACE_S = 10.0
@@ -944,14 +944,23 @@ def fingerprint_mismatch(fps: Dict[int, Dict[str, Any]], ranks: Sequence[int]) -
 
 
 def _meta_mismatch(rnd: _Round, ranks: Sequence[int]) -> Optional[str]:
+    return meta_mismatch({r: a.send_meta for r, a in rnd.arrivals.items()},
+                         {r: a.recv_meta for r, a in rnd.arrivals.items()}, ranks)
+
+
+def meta_mismatch(send: Dict[int, Optional[List[Any]]], recv: Dict[int, Optional[List[Any]]],
+                  ranks: Sequence[int]) -> Optional[str]:
+    """Which pairs disagree: ``send[s][r]`` is what group rank ``s`` sends ``r`` (its
+    ``(dtype, shape)``), ``recv[r][s]`` what ``r`` expects from ``s``; ``None`` if all agree."""
     problems = []
-    for r, arrival in rnd.arrivals.items():
-        if arrival.recv_meta is None:
+    size = len(send)
+    for r in sorted(recv):
+        if recv[r] is None:
             continue
-        for s in range(rnd.size):
-            sender = rnd.arrivals[s].send_meta
+        for s in range(size):
+            sender = send[s]
             sent = sender[r] if sender is not None else None
-            expected = arrival.recv_meta[s]
+            expected = recv[r][s]
             if sent != expected:
                 problems.append(
                     f"rank {ranks[s]} sends rank {ranks[r]} "

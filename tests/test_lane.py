@@ -186,3 +186,35 @@ def test_re_forming_groups_reuses_the_lane_channels(actors):
         assert _on(team, _two_all_reduces) == [2] * len(team)
     time.sleep(0.5)
     assert store_used()[0] <= before + 50_000, (before, store_used())
+
+
+def _uneven_all_to_all(rank: int) -> Any:
+    """all_to_all_single where only rank 0's part is too large for the lane (5 MB to rank
+    1): every rank must go on to the coordinator together; then a small one on the lane."""
+    w = raycoll.get_world_size()
+    big = 5_000_000 // 8
+    send = [big if (rank == 0 and j == 1) else 3 for j in range(w)]
+    recv = [big if (j == 0 and rank == 1) else 3 for j in range(w)]
+    x = np.concatenate([np.full(n, 100.0 * rank + j) for j, n in enumerate(send)])
+    out = np.zeros(sum(recv))
+    raycoll.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
+    firsts = [float(out[sum(recv[:s])]) for s in range(w)]
+    small = np.zeros(w)
+    raycoll.all_to_all_single(small, np.arange(w, dtype=np.float64) + 10 * rank)
+    bad = _outcome(lambda: raycoll.all_to_all_single(
+        np.zeros(w + (1 if rank == 1 else 0)), np.zeros(w),
+        output_split_sizes=[1] * (w - 1) + [1 + (1 if rank == 1 else 0)],
+        input_split_sizes=[1] * w))
+    return firsts, small.tolist(), bad, world().default.context.lane_calls
+
+
+@pytest.mark.timeout(120)
+def test_all_to_all_uses_the_lane_only_when_every_rank_fits(actors):
+    results = _on(actors, _uneven_all_to_all)
+    for rank, (firsts, small, bad, lane_calls) in enumerate(results):
+        assert firsts == [100.0 * s + rank for s in range(3)], (rank, firsts)
+        assert small == [float(rank + 10 * s) for s in range(3)], (rank, small)
+        assert bad[0] == "CollectiveMismatchError", bad
+        assert "rank 2 sends rank 1" in bad[1] and "but rank 1 expects" in bad[1], bad
+        assert lane_calls == 3, lane_calls  # both all_to_alls and the failed one went there
+    assert len({r[2][1] for r in results}) == 1, "every rank reports the same mismatch"

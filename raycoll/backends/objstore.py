@@ -70,7 +70,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import ray
 
+from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
+from raycoll.coordinator import meta_mismatch
 from raycoll.reduce_op import ReduceOp, combine, finalize, reduce_arrays
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
@@ -523,8 +525,32 @@ class ObjstoreBackend(CollectiveBackend):
     def _all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], send_meta: List[Any],
                     recv_meta: List[Any], call: Call) -> None:
         me, size = self.ctx.rank, self.ctx.size
+        step = 0
+        if size > 1:
+            # Per-peer sizes may differ between ranks, so no rank can tell alone that every
+            # rank's part is small: each sends its pieces if they fit the lane, or says it does
+            # not; all see all, and either all finish here or all go on to the coordinator.
+            fits = sum(ins[j].nbytes for j in range(size) if j != me) <= self.lane_bytes
+            pieces = [ins[j] if j != me else None for j in range(size)] if fits else None
+            lane = self.ctx.lane_gather(call, (pieces, send_meta, recv_meta))
+            if lane is not None:
+                problem = meta_mismatch({s: m[1] for s, m in enumerate(lane)},
+                                        {s: m[2] for s, m in enumerate(lane)},
+                                        self.ctx.global_ranks)
+                if problem:
+                    raise errors.CollectiveMismatchError(
+                        f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
+                        **self.ctx.ctx(call))
+                if all(m[0] is not None for m in lane):
+                    _copy_into(outs[me], [_flat_in(ins[me])])
+                    for s, m in enumerate(lane):
+                        if s != me:
+                            _copy_into(outs[s], [np.asarray(m[0][me]).reshape(-1)])
+                    return
+                step = 1  # step 0 was the lane's
+            del lane
         sent = self._publish({j: ins[j] for j in range(size) if j != me})
-        got = self.ctx.exchange(call, 0, sent, send_meta=send_meta, recv_meta=recv_meta)
+        got = self.ctx.exchange(call, step, sent, send_meta=send_meta, recv_meta=recv_meta)
         _copy_into(outs[me], [_flat_in(ins[me])])
         received = self._fetch(got, call)
         for s, segs in received.items():
