@@ -53,8 +53,8 @@ with 8 and 16 ranks on 2 cores).
 The lane is set up by the group's first collective that can use it, inside that collective:
 the ranks exchange their channels through the coordinator (one extra round trip, once per
 group) and all switch to the lane together, or all stay off it if any rank could not open its
-channel. Group option ``lane=False`` keeps every collective on the coordinator; all_to_all
-(whose per-peer sizes may differ between ranks) and the object collectives always use it.
+channel. Group option ``lane=False`` keeps every collective on the coordinator; the object
+collectives and point-to-point always use it.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ sends to each other rank. What travels depends on the size and the topology:
   (at most ``lane_max_ranks`` of them), each
   rank writes its part to its own Ray shared-memory channel and reads its peers' parts: no
   coordinator call at all (all_reduce, reduce, broadcast, all_gather(_into_tensor), gather,
-  scatter, reduce_scatter(_tensor), barrier; all_to_all, whose per-peer sizes may differ, and
-  the object collectives stay on the coordinator);
+  scatter, reduce_scatter(_tensor), barrier, and all_to_all(_single): there the ranks' parts
+  may differ in size, so each says on the lane whether its own fits, and if one does not, all
+  go on through the coordinator together; the object collectives and point-to-point stay on
+  the coordinator);
 - **inline**: otherwise, when everything a rank sends in a step is at most ``inline_bytes``,
   the arrays ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced
   by the coordinator: one round trip, no object store at all);
