@@ -14,6 +14,8 @@ run() {  # run NAME ARGS...: one raycoll-bench run, table to NAME.txt, rows to N
   cat "$out/$name.txt"
 }
 run ops2_gloo --op all --sizes 4,4K,256K,4M,64M --world-size 2 --vs gloo --check --iters 10 --warmup 3
+run a2a2_gloo --op all_to_all,all_to_all_single --sizes 4,4K,256K,4M,64M --world-size 2 --vs gloo \
+    --check --iters 10 --warmup 3
 run ops2_raycol --op all_reduce,broadcast,reduce,all_gather,reduce_scatter --sizes 4,256K,64M \
     --world-size 2 --vs ray-collective --iters 10 --warmup 3
 run ops4_gloo --op all_reduce,broadcast,all_gather,reduce_scatter,all_to_all --sizes 4,256K,4M,64M \
