@@ -237,11 +237,9 @@ class Coordinator:
         all of them with ``fp["reduce_op"]`` and returns the result to every rank (or only to
         ``root``, a group rank).
         """
-        failed = self._dead_error(key)
+        failed = self._unusable(key)
         if failed is not None:
             return failed
-        if key in self._broken:
-            return self._broken[key]
         self._groups[key] = tuple(ranks)
         size = len(ranks)
         rnd = self._round(key, seq, step, fp.get("op", "?"), size)
@@ -361,11 +359,9 @@ class Coordinator:
             now = time.monotonic()
             for r in waiting:
                 self._probe_if_due(ranks[r], now)
-        failed = self._dead_error(key)
+        failed = self._unusable(key)
         if failed is not None:
             return failed
-        if key in self._broken:
-            return self._broken[key]
         rnd = self._rounds.get((key, seq, 0))
         if rnd is None or rnd.error is None and (rnd.done.is_set() or not rnd.arrivals):
             return _ok()  # nothing there, or the lane's own set-up round
@@ -499,11 +495,9 @@ class Coordinator:
     async def p2p_send(self, key: str, src: int, dst: int, tag: int, meta: Any, payload: Any,
                        timeout_s: float) -> Result:
         """Post a message from group rank ``src`` to ``dst``; resolves once a recv matched it."""
-        failed = self._dead_error(key)
+        failed = self._unusable(key)
         if failed is not None:
             return failed
-        if key in self._broken:
-            return self._broken[key]
         loop = asyncio.get_running_loop()
         receivers = self._waiting[(key, dst)]
         for i, rcv in enumerate(receivers):
@@ -519,11 +513,9 @@ class Coordinator:
     async def p2p_recv(self, key: str, src: Optional[int], dst: int, tag: int, meta: Any,
                        timeout_s: float) -> Result:
         """Receive at group rank ``dst`` from ``src`` (``None``: any); returns ``(src, payload)``."""
-        failed = self._dead_error(key)
+        failed = self._unusable(key)
         if failed is not None:
             return failed
-        if key in self._broken:
-            return self._broken[key]
         loop = asyncio.get_running_loop()
         mailbox = self._mail[(key, dst)]
         for i, msg in enumerate(mailbox):
@@ -775,6 +767,11 @@ class Coordinator:
         if self._death_report is not None:
             self._death_report.cancel()
             self._death_report = None
+
+    def _unusable(self, key: str) -> Optional[Result]:
+        """Why group ``key`` cannot run a call now (a dead rank, a broken group), or None."""
+        failed = self._dead_error(key)
+        return failed if failed is not None else self._broken.get(key)
 
     def _dead_error(self, key: str) -> Optional[Result]:
         """The error for a call on ``key`` once a rank of the root group is dead, else None."""
