@@ -423,8 +423,12 @@ class StoreSampler:
     """
 
     def __init__(self) -> None:
-        from ray._private.grpc_utils import init_grpc_channel
-        from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+        try:
+            from ray._private.grpc_utils import init_grpc_channel
+            from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+        except ImportError as exc:
+            raise RuntimeError(f"--memory asks a raylet for the store's use over gRPC, which "
+                               f"needs ray[default]: pip install 'raycoll[bench]' ({exc})") from exc
 
         node = next(n for n in ray.nodes() if n["Alive"])
         address = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
