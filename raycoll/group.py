@@ -218,7 +218,10 @@ class ProcessGroup:
         if self.size() > 1:
             self._root.client.submit("reject", self._name, self._global_ranks, call.seq,
                                      self._rank, call.op, str(exc))
-            self.context.lane_reject(call, str(exc))
+            with self._lock:
+                idle = self._outstanding == 0
+            if idle:  # else an earlier call's lane message is still to be written first
+                self.context.lane_reject(call, str(exc))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:

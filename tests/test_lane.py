@@ -218,3 +218,22 @@ def test_all_to_all_uses_the_lane_only_when_every_rank_fits(actors):
         assert "rank 2 sends rank 1" in bad[1] and "but rank 1 expects" in bad[1], bad
         assert lane_calls == 3, lane_calls  # both all_to_alls and the failed one went there
     assert len({r[2][1] for r in results}) == 1, "every rank reports the same mismatch"
+
+
+def _reject_behind_async(rank: int) -> Any:
+    _works()
+    x = np.full(1000, rank + 1.0)
+    work = raycoll.all_reduce(x, async_op=True)
+    bad = _outcome(lambda: raycoll.broadcast(np.ones(2), src=9 if rank == 0 else 0))
+    work.wait()
+    return x[:3].tolist(), bad, _works()
+
+
+@pytest.mark.timeout(120)
+def test_a_rejection_behind_an_async_collective_keeps_the_order(actors):
+    """The rejection must not overtake the async all_reduce queued before it on the lane."""
+    for rank, (x, (kind, message, took), ok) in enumerate(_on(actors, _reject_behind_async)):
+        assert x == [6.0] * 3, (rank, x)
+        assert kind == ("ValueError" if rank == 0 else "PeerArgumentError"), (rank, message)
+        assert took < 2.0, took
+        assert ok
