@@ -37,6 +37,12 @@ logger = logging.getLogger("raycoll")
 __all__ = ["Coordinator", "CoordinatorClient", "coordinator_name", "GRACE_S",
            "fingerprint_mismatch", "meta_mismatch", "unwrap"]
 
+#: What a mismatch in a join round adds to its message.
+JOIN_OUT_OF_STEP = ("(the ranks of a Join are out of step: does every rank use the same joinables "
+                    "and throw_on_early_termination, does the first joinable call "
+                    "Join.notify_join_context before its collectives, and does each main_hook "
+                    "shadow exactly one iteration's collectives?)")
+
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
 GRACE_S = 10.0
 
@@ -439,26 +445,29 @@ class Coordinator:
                                      "route", None, timeout_s)
         if result[0] != "ok":
             if result[1] == "mismatch":  # the ranks are out of step: nothing can go on
-                message = (f"{result[2]} (the ranks of a Join are out of step: does every rank "
-                           "use the same joinables and throw_on_early_termination, does the "
-                           "first joinable call Join.notify_join_context before its "
-                           "collectives, and does each main_hook shadow exactly one "
-                           "iteration's collectives?)")
+                message = f"{result[2]} {JOIN_OUT_OF_STEP}"
                 self.abort(key, "mismatch", message)
                 return self._broken.get(key, _err("mismatch", message))
             return result
-        seqs: List[Optional[int]] = result[1]
-        nonjoined = [ranks[r] for r in range(size) if seqs[r] is None]
-        order = sorted((s, r) for r, s in enumerate(seqs) if s is not None)
-        last_seq = order[-1][0] if order else None
-        if not nonjoined or (throw_on_early_termination and order):
-            self._end_join(key, ranks, seq, order, terminated=bool(nonjoined))
-        return _ok({
-            "nonjoined": nonjoined,
-            "join_order": [ranks[r] for _s, r in order],
-            "all_joined": not nonjoined,
-            "is_last_joiner": not nonjoined and join_seq is not None and join_seq == last_seq,
-        })
+        outcome, order, ended = join_outcome(ranks, result[1], join_seq,
+                                             throw_on_early_termination)
+        if ended:
+            self._end_join(key, ranks, seq, order, terminated=not outcome["all_joined"])
+        return _ok(outcome)
+
+    def join_report(self, key: str, ranks: Tuple[int, ...], rank: int, join_seq: int) -> Result:
+        """Group rank ``rank`` joined in round ``join_seq`` of a Join whose rounds run on the
+        shared-memory lane (for group_status; the ranks compute each round's answer)."""
+        self._groups[key] = tuple(ranks)
+        self._joins[key][rank] = join_seq
+        return _ok()
+
+    def join_end(self, key: str, ranks: Tuple[int, ...], seq: int,
+                 order: List[Tuple[int, int]], terminated: bool) -> Result:
+        """The lane Join whose final round is ``seq`` is over (see :meth:`join_report`)."""
+        self._groups[key] = tuple(ranks)
+        self._end_join(key, tuple(ranks), seq, [tuple(o) for o in order], terminated)
+        return _ok()
 
     async def join_round_packed(self, request: Tuple[Any, ...]) -> Result:
         """:meth:`join_round` with its arguments in one tuple (cheaper to serialize: this is
@@ -913,6 +922,23 @@ def _death_cause(exc: BaseException) -> str:
         fields["node"] = node.group(1)
     where = ", ".join(f"{k} {fields[k]}" for k in ("class_name", "pid", "ip", "node") if k in fields)
     return f"{reason}" + (f" (actor {where})" if where else "")
+
+
+def join_outcome(ranks: Sequence[int], seqs: Sequence[Optional[int]], join_seq: Optional[int],
+                 throw: bool) -> Tuple[Dict[str, Any], List[Tuple[int, int]], bool]:
+    """One join round's answer for the rank that sent ``join_seq``, from every group rank's
+    ``seqs`` (``None``: still has inputs): the answer, the join order ``(seq, group rank)``,
+    and whether this Join is over (everyone joined, or a rank joined under ``throw``)."""
+    nonjoined = [ranks[r] for r in range(len(seqs)) if seqs[r] is None]
+    order = sorted((s, r) for r, s in enumerate(seqs) if s is not None)
+    last_seq = order[-1][0] if order else None
+    outcome = {
+        "nonjoined": nonjoined,
+        "join_order": [ranks[r] for _s, r in order],
+        "all_joined": not nonjoined,
+        "is_last_joiner": not nonjoined and join_seq is not None and join_seq == last_seq,
+    }
+    return outcome, order, not nonjoined or (throw and bool(order))
 
 
 def _fmt_meta(meta: Any) -> str:

@@ -189,6 +189,11 @@ class ProcessGroup:
             self._backends[device] = backend
         return backend
 
+    def outstanding(self) -> int:
+        """How many operations are queued or running on the group's worker thread."""
+        with self._lock:
+            return self._outstanding
+
     def check_usable(self) -> None:
         """Raise ``GroupDestroyedError`` / ``GroupBrokenError`` if the group is unusable."""
         if self._destroyed is not None:

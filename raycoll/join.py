@@ -7,8 +7,11 @@ that has exhausted its inputs instead *shadows* the collectives of the ranks sti
 joined; then every rank runs :meth:`JoinHook.post_hook` (``is_last_joiner`` tells the ranks
 that joined last, e.g. to broadcast their final model state).
 
-How it runs here: each iteration is one *join round* on the group's coordinator (one small
-round trip, like torch's one small all-reduce). A rank still working posts its round from
+How it runs here: each iteration is one *join round*, an all-gather of every rank's join
+sequence number (``None`` while it has inputs), like torch's one small all-reduce: on the
+group's shared-memory lane when it has one (every rank computes the answer; the coordinator
+only hears of each join and of the end, for group_status), else on the coordinator (one
+small round trip). A rank still working posts its round from
 :meth:`Join.notify_join_context` without waiting for it (it returns a :class:`Work`), so the
 round overlaps the rank's own work; a joined rank waits for the round's answer, which says
 whether ranks are left with inputs (run one shadow round) or everyone has joined (run the
@@ -33,6 +36,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, Type
 
+from raycoll import errors
+from raycoll.coordinator import JOIN_OUT_OF_STEP, join_outcome
 from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
 from raycoll.work import Work
 
@@ -294,6 +299,15 @@ class Join:
 
 
 # ---------------------------------------------------------------------- join rounds
+def _queued_round(pg: ProcessGroup, call: Any) -> RoundResult:
+    """A working rank's join round run in issue order: on the lane if the group has one by
+    then, else through the coordinator."""
+    if pg.context.lane_active:
+        return _lane_round(pg, call, None, False)
+    ref = _submit(pg, call, None, False)
+    return pg.context.client.wait(ref, call.timeout_s, **pg.context.ctx(call))
+
+
 def _local_result(pg: ProcessGroup, join_seq: Optional[int]) -> RoundResult:
     me = pg.global_ranks[pg.rank()]
     return {"nonjoined": [] if join_seq is not None else [me],
@@ -313,6 +327,9 @@ def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool
     out: List[RoundResult] = []
 
     def fn() -> None:
+        if pg.context.lane_active:
+            out.append(_lane_round(pg, call, join_seq, throw))
+            return
         ref = _submit(pg, call, join_seq, throw)
         out.append(pg.context.client.wait(ref, call.timeout_s, **pg.context.ctx(call)))
 
@@ -320,16 +337,47 @@ def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool
     return out[0]
 
 
+def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> RoundResult:
+    """A join round on the group's shared-memory lane: an all-gather of every rank's join
+    sequence number (one small lane collective, as torch's one small all-reduce), each rank
+    computing the answer; the coordinator hears only of joins and of the end, for
+    group_status. Called in the group's issue order, so every rank takes this path for the
+    same round (the lane is set up or not alike on every rank)."""
+    ctx = pg.context
+    fp_call = pg.with_fingerprint(call, throw_on_early_termination=bool(throw))
+    try:
+        seqs = ctx.lane_gather(fp_call, join_seq)
+    except errors.CollectiveMismatchError as exc:  # out of step: nothing can go on
+        err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}", **ctx.ctx(call))
+        ctx.client.submit("abort", pg.name, "mismatch", str(err), {})
+        raise err from exc
+    if seqs is None:  # cannot happen: the lane was checked active in issue order
+        raise errors.CollectiveError(f"join #{call.seq} on group {pg.name!r}: the lane is gone",
+                                     **ctx.ctx(call))
+    outcome, order, ended = join_outcome(pg.global_ranks, seqs, join_seq, throw)
+    if join_seq is not None and join_seq == call.seq:  # this rank joined in this round
+        ctx.client.submit("join_report", pg.name, pg.global_ranks, pg.rank(), join_seq)
+    if ended:
+        ctx.client.submit("join_end", pg.name, pg.global_ranks, call.seq, order,
+                          not outcome["all_joined"])
+    return outcome
+
+
 def _post_round(pg: ProcessGroup, call: Any) -> Work:
     """Post a working rank's join round now; its answer completes the returned ``Work``.
 
-    The round is sent straight to the coordinator (not queued behind this rank's earlier
-    async collectives: the coordinator matches rounds by sequence number, so order does not
-    matter) and nothing waits for it, so it overlaps the iteration's own work.
+    On a group with a shared-memory lane the round is one small lane collective, queued in
+    the group's issue order like any async collective. Otherwise it is sent straight to the
+    coordinator (not queued behind this rank's earlier async collectives: the coordinator
+    matches rounds by sequence number, so order does not matter) and nothing waits for it, so
+    it overlaps the iteration's own work. Which of the two is decided in issue order (the lane
+    is set up inside a collective, at the same point on every rank).
     """
     describe = f"join #{call.seq} on group {pg.name!r}"
     if pg.size() == 1:
         return Work.completed(_local_result(pg, None), describe=describe)
+    if pg.context.lane_active or pg.outstanding():
+        return pg.run(call, lambda: _queued_round(pg, call), async_op=True)  # type: ignore[return-value]
     ref = _submit(pg, call, None, False)
     ctx = pg.context.ctx(call)
     client = pg.context.client

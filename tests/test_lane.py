@@ -237,3 +237,61 @@ def test_a_rejection_behind_an_async_collective_keeps_the_order(actors):
         assert kind == ("ValueError" if rank == 0 else "PeerArgumentError"), (rank, message)
         assert took < 2.0, took
         assert ok
+
+
+def _join_on_lane(rank: int, notify: bool) -> Any:
+    from raycoll.join import Join
+
+    _works()  # the lane is set up: join rounds ride it
+
+    class Reducer(raycoll.Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = 0.0
+
+        def join_hook(self, **kwargs: Any) -> raycoll.JoinHook:
+            owner = self
+
+            class Hook(raycoll.JoinHook):
+                def main_hook(self) -> None:
+                    raycoll.all_reduce(np.zeros(1))
+
+                def post_hook(self, is_last_joiner: bool) -> None:
+                    owner.last = is_last_joiner
+
+            return Hook()
+
+        @property
+        def join_device(self) -> Any:
+            return "cpu"
+
+        @property
+        def join_process_group(self) -> Any:
+            return None
+
+        def step(self) -> None:
+            if notify:
+                Join.notify_join_context(self)
+            x = np.ones(1)
+            raycoll.all_reduce(x)
+            self.total += float(x[0])
+
+    joinable = Reducer()
+    try:
+        with Join([joinable]):
+            for _ in range(2 * rank):
+                joinable.step()
+    except raycoll.CollectiveMismatchError as exc:
+        return "mismatch", str(exc)
+    return joinable.total, joinable.last, world().default.context.lane_calls
+
+
+@pytest.mark.timeout(120)
+def test_join_rounds_ride_the_lane(actors):
+    results = _on(actors[:2], _join_on_lane, args=(True,))
+    assert results[0][:2] == (0.0, False) and results[1][:2] == (2.0, True), results  # 1 + 0 (shadow)
+    assert results[1][2] >= 1 + 2 * 2, results  # warm-up, then per step a round and an all_reduce
+    messages = _on(actors[:2], _join_on_lane, args=(False,))
+    for kind, message in messages:
+        assert kind == "mismatch" and "join" in message and "all_reduce" in message, message
+    assert "notify_join_context" in messages[0][1], messages[0]

@@ -197,6 +197,11 @@ class GroupContext:
         return self._lane.missing(seq) if self._lane else None
 
     @property
+    def lane_active(self) -> bool:
+        """Whether this group's lane is set up (the same on every rank between collectives)."""
+        return bool(self._lane)
+
+    @property
     def lane_calls(self) -> int:
         """How many collectives went through the shared-memory lane on this rank."""
         return self._lane.calls if self._lane else 0
