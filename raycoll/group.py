@@ -223,9 +223,7 @@ class ProcessGroup:
         if self.size() > 1:
             self._root.client.submit("reject", self._name, self._global_ranks, call.seq,
                                      self._rank, call.op, str(exc))
-            with self._lock:
-                idle = self._outstanding == 0
-            if idle:  # else an earlier call's lane message is still to be written first
+            if not self.outstanding():  # else an earlier call's lane message comes first
                 self.context.lane_reject(call, str(exc))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
@@ -235,9 +233,7 @@ class ProcessGroup:
         if self._stream_ordered(call):
             return self._run_on_stream(call, fn, async_op, outputs, nbytes)
         if not async_op:
-            with self._lock:
-                idle = self._outstanding == 0
-            if idle:
+            if not self.outstanding():
                 self._execute(call, fn, nbytes)
             else:
                 self._submit(call, fn, nbytes).result()

@@ -34,7 +34,7 @@ import concurrent.futures
 import warnings
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, Type, cast
 
 from raycoll import errors
 from raycoll.coordinator import JOIN_OUT_OF_STEP, join_outcome
@@ -299,12 +299,13 @@ class Join:
 
 
 # ---------------------------------------------------------------------- join rounds
-def _queued_round(pg: ProcessGroup, call: Any) -> RoundResult:
-    """A working rank's join round run in issue order: on the lane if the group has one by
-    then, else through the coordinator."""
+def _round_in_order(pg: ProcessGroup, call: Any, join_seq: Optional[int],
+                    throw: bool) -> RoundResult:
+    """A join round run in the group's issue order: on the lane if the group has one by then,
+    else through the coordinator."""
     if pg.context.lane_active:
-        return _lane_round(pg, call, None, False)
-    ref = _submit(pg, call, None, False)
+        return _lane_round(pg, call, join_seq, throw)
+    ref = _submit(pg, call, join_seq, throw)
     return pg.context.client.wait(ref, call.timeout_s, **pg.context.ctx(call))
 
 
@@ -325,15 +326,7 @@ def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool
     if pg.size() == 1:
         return _local_result(pg, join_seq)
     out: List[RoundResult] = []
-
-    def fn() -> None:
-        if pg.context.lane_active:
-            out.append(_lane_round(pg, call, join_seq, throw))
-            return
-        ref = _submit(pg, call, join_seq, throw)
-        out.append(pg.context.client.wait(ref, call.timeout_s, **pg.context.ctx(call)))
-
-    pg.run(call, fn, async_op=False)
+    pg.run(call, lambda: out.append(_round_in_order(pg, call, join_seq, throw)), async_op=False)
     return out[0]
 
 
@@ -377,7 +370,8 @@ def _post_round(pg: ProcessGroup, call: Any) -> Work:
     if pg.size() == 1:
         return Work.completed(_local_result(pg, None), describe=describe)
     if pg.context.lane_active or pg.outstanding():
-        return pg.run(call, lambda: _queued_round(pg, call), async_op=True)  # type: ignore[return-value]
+        return cast(Work, pg.run(call, lambda: _round_in_order(pg, call, None, False),
+                                 async_op=True))
     ref = _submit(pg, call, None, False)
     ctx = pg.context.ctx(call)
     client = pg.context.client

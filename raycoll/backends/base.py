@@ -177,8 +177,8 @@ class GroupContext:
             self._lane = False
             self._shifted_seq = call.seq
             return False
-        self._lane = _lane_mod.Lane(self, mine, {j: c for j, (c, _) in enumerate(got) if j != self.rank},
-                                    epoch=got[0][1])
+        peers = {j: c for j, (c, _) in enumerate(got) if j != self.rank}
+        self._lane = _lane_mod.Lane(self, mine, peers, epoch=got[0][1])
         return self._lane
 
     def lane_reject(self, call: Call, message: str) -> None:

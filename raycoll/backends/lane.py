@@ -90,6 +90,8 @@ CHECK_MAX_S = 1.0
 #: A channel error (not a timeout) waits this long for the coordinator to explain it (a rank's
 #: death reaches it within milliseconds) before it breaks the group by itself.
 FAILURE_GRACE_S = 2.0
+_TIMEOUT = ray.exceptions.RayChannelTimeoutError
+
 #: A rank busy with lane collectives tells the coordinator their progress this often.
 REPORT_EVERY_S = 0.1
 
@@ -170,9 +172,13 @@ def open_channel(ctx: "GroupContext") -> Any:
 
 def release_channel(ctx: "GroupContext", channel: Any) -> None:
     """Give back a channel :func:`open_channel` returned (it was not used)."""
+    _give_back(_pool_key(ctx), channel)
+
+
+def _give_back(key: Tuple[Tuple[str, ...], int], channel: Any) -> None:
     if channel is not None:
         with _POOL_LOCK:
-            _POOL.setdefault(_pool_key(ctx), []).append(channel)
+            _POOL.setdefault(key, []).append(channel)
 
 
 def _own(value: Any) -> Any:
@@ -199,11 +205,9 @@ class Lane:
         for channel in peers.values():
             channel.ensure_registered_as_reader()
         self._spin = SPIN_S if ctx.size <= _cores() else 0.0
-        self._timeout_error: Any = ray.exceptions.RayChannelTimeoutError
-        # Progress, for the coordinator (see ``check``) and Work timeouts: by group rank, the
-        # last collective that rank completed as far as this rank knows (the last one this
-        # rank completed: every rank had written its message for it).
-        self._progress: Dict[int, Tuple[str, int]] = {}
+        # The last collective this rank completed on the lane: every rank had written its
+        # message for it, so each completes it too (see ``_progress``).
+        self._done: Optional[Tuple[str, int]] = None
         self.calls = 0
         self._waiting: Optional[Tuple[int, List[int]]] = None
         # A peer's message read while waiting for an earlier collective (see ``_skipped``).
@@ -260,8 +264,7 @@ class Lane:
                 waiter.pause(pending or peers)
         # Every rank wrote its message for this call, so each completes it once it reads
         # them: what the coordinator is told (see ``check``) if a later call hangs.
-        for r in range(self.ctx.size):
-            self._progress[r] = (call.op, call.seq)
+        self._done = (call.op, call.seq)
         self.calls += 1
         self.report()
         self._waiting = None
@@ -285,7 +288,7 @@ class Lane:
         try:
             self._out.write(message, timeout=self._spin if spin else 0)
             return True
-        except self._timeout_error:
+        except _TIMEOUT:
             return False
 
     def _try_read(self, s: int, call: "Call", spin: bool) -> Optional[Tuple[Dict[str, Any], Any]]:
@@ -297,7 +300,7 @@ class Lane:
             if message is None:
                 try:
                     message = channel.read(timeout=self._spin if spin else 0)
-                except self._timeout_error:
+                except _TIMEOUT:
                     return None
                 if isinstance(message, BaseException):  # the channel's error bit (closed)
                     raise message
@@ -323,6 +326,16 @@ class Lane:
         its part of this call failed on its side before it reached the lane (it rejected its
         arguments, or it came through the coordinator and failed there). The coordinator
         knows which, a moment later; that is the error of this call here too."""
+        explained = self._explained(call)
+        return explained if explained is not None else errors.CollectiveMismatchError(
+            f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: rank "
+            f"{self.ctx.global_ranks[s]} left it out and is already at collective #{seq}: "
+            "the ranks are out of step", **self.ctx.ctx(call))
+
+    def _explained(self, call: "Call") -> Optional[BaseException]:
+        """The coordinator's error for ``call`` once it has one (it learns of a rejection, a
+        dead rank or a failed round a moment after this rank sees the sign), or ``None`` if it
+        has none within ``FAILURE_GRACE_S``."""
         deadline = time.monotonic() + FAILURE_GRACE_S
         while True:
             try:
@@ -330,12 +343,8 @@ class Lane:
             except errors.RaycollError as exc:
                 return exc
             if time.monotonic() > deadline:
-                break
+                return None
             time.sleep(0.02)
-        return errors.CollectiveMismatchError(
-            f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: rank "
-            f"{self.ctx.global_ranks[s]} left it out and is already at collective #{seq}: "
-            "the ranks are out of step", **self.ctx.ctx(call))
 
     def _guard(self, call: "Call", waiter: "_Waiter", fn: Any, *args: Any) -> Any:
         """``fn(*args)``; a channel failure (not a timeout) ends the call with the
@@ -346,10 +355,9 @@ class Lane:
         except errors.RaycollError:
             raise
         except Exception as exc:  # noqa: BLE001 - translated below
-            deadline = time.monotonic() + FAILURE_GRACE_S
-            while time.monotonic() < deadline:
-                self.check(call)
-                time.sleep(0.1)
+            explained = self._explained(call)
+            if explained is not None:
+                raise explained from exc
             err = errors.GroupBrokenError(
                 f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: the shared-memory "
                 f"lane failed on rank {self.ctx.global_ranks[self.ctx.rank]} "
@@ -374,7 +382,7 @@ class Lane:
                     self._report_timer.start()
                 return
             self._reported_at = now
-            progress = dict(self._progress)
+            progress = self._progress()
         try:
             self.ctx.client.submit("lane_progress", self.ctx.group_name, self.ctx.global_ranks,
                                    progress)
@@ -392,7 +400,12 @@ class Lane:
         waiting = self._waiting
         if waiting is None or waiting[0] != seq:
             return None
-        return list(waiting[1]), dict(self._progress)
+        return list(waiting[1]), self._progress()
+
+    def _progress(self) -> Dict[int, Tuple[str, int]]:
+        """By group rank, the last collective each rank completed as far as this rank knows:
+        what the coordinator is told (group_status, timeouts) and Work timeouts name."""
+        return {r: self._done for r in range(self.ctx.size)} if self._done else {}
 
     # ------------------------------------------------------------------ the coordinator
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
@@ -400,14 +413,14 @@ class Lane:
         ``waited_s``) should end; raises its error if so."""
         self.ctx.client.call(
             "lane_check", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
-            call.fp, dict(self._progress), list(waiting), waited_s, timeout_s=30.0,
+            call.fp, self._progress(), list(waiting), waited_s, timeout_s=30.0,
             **self.ctx.ctx(call))
 
     def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
         """The error for ``call`` timing out waiting for group ranks ``missing``."""
         result = self.ctx.client.submit(
             "lane_timeout", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
-            call.op, list(missing), dict(self._progress), call.timeout_s)
+            call.op, list(missing), self._progress(), call.timeout_s)
         try:
             self.ctx.client.wait(result, 30.0, **self.ctx.ctx(call))
         except errors.RaycollError as exc:
@@ -424,9 +437,8 @@ class Lane:
                 self._report_timer = None
             out, self._out = self._out, None
         self._in.clear()
-        if out is not None and not self._poisoned:
-            with _POOL_LOCK:
-                _POOL.setdefault(self._key, []).append(out)
+        if not self._poisoned:
+            _give_back(self._key, out)
 
 
 class _Waiter:

@@ -75,11 +75,12 @@ import ray
 from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.coordinator import meta_mismatch
-from raycoll.reduce_op import ReduceOp, combine, finalize, reduce_arrays
+from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
 
-__all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
+__all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "DIRECT_BYTES",
+           "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
 
 #: Everything a rank sends in one step travels inline in the coordinator call up to this size:
 #: just under Ray's limit for arguments passed by value (100 KiB, ``max_direct_call_object_size``)
@@ -199,6 +200,19 @@ class ObjstoreBackend(CollectiveBackend):
         self.algo: Optional[str] = algo
         self.combined = put == "combined" or (put == "auto" and ctx.single_node)
 
+    def _lane_reduce(self, op: ReduceOp, terms: List[Any], like: np.ndarray) -> np.ndarray:
+        """``terms[0] (op) terms[1] (op) ...`` (every rank's part, in rank order) in a kept
+        scratch buffer shaped as ``like`` flat. The same operations on every rank, into a
+        buffer that aliases no input: numpy's complex kernels round differently when the
+        output aliases an input, and every rank must hold bitwise the same result. The buffer
+        is kept (a fresh one per call costs page faults: 2.4x slower at 4 MiB)."""
+        out = self._scratch(like)
+        _combine_into(op, out, _flat_in(terms[0]), _flat_in(terms[1]))
+        for term in terms[2:]:
+            combine(op, out, _flat_in(term))
+        finalize(op, out, len(terms))
+        return out
+
     def _scratch(self, like: np.ndarray) -> np.ndarray:
         """A kept flat buffer of ``like``'s dtype and size (grown as needed, up to the lane's
         largest part)."""
@@ -290,9 +304,10 @@ class ObjstoreBackend(CollectiveBackend):
         sent: List[Payload] = []
         lane = None
         if step == 0 and sum(p.nbytes for j, p in enumerate(pieces) if j != me) <= self.lane_bytes:
-            lane = self.ctx.lane_gather(call, [p if j != me else None for j, p in enumerate(pieces)])
+            lane = self.ctx.lane_gather(call, [p if j != me else None
+                                               for j, p in enumerate(pieces)])
         if lane is not None:
-            received = {s: [np.asarray(got[me]).reshape(-1)] for s, got in enumerate(lane) if s != me}
+            received = {s: [_flat_in(got[me])] for s, got in enumerate(lane) if s != me}
         else:
             sent = self._publish({j: pieces[j] for j in range(size) if j != me})
             received = self._fetch(self.ctx.exchange(call, step, sent), call)
@@ -318,7 +333,7 @@ class ObjstoreBackend(CollectiveBackend):
             got = self.ctx.exchange(call, step, self._publish_same(mine, to))
         if root is not None and me != root:
             return
-        received = ({s: [np.asarray(a).reshape(-1)] for s, a in enumerate(lane) if s != me}
+        received = ({s: [_flat_in(a)] for s, a in enumerate(lane) if s != me}
                     if lane is not None else self._fetch(got, call))
         _copy_into(outs[me], [_flat_in(mine)])
         for s, segs in received.items():
@@ -348,17 +363,8 @@ class ObjstoreBackend(CollectiveBackend):
             lane = self.ctx.lane_gather(call, flat) if flat.nbytes <= self.lane_bytes else None
             algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
             if algo == "lane":
-                # The same operations on every rank, into a scratch buffer that aliases no
-                # input: numpy's complex kernels round differently when the output aliases an
-                # input, and every rank must hold bitwise the same result. The scratch buffer
-                # is kept (a fresh one per call costs page faults: 2.4x slower at 4 MiB).
-                out = self._scratch(flat)
-                _combine_into(op, out, lane[0], lane[1])
-                for s in range(2, len(lane)):
-                    combine(op, out, lane[s])
-                finalize(op, out, len(lane))
+                np.copyto(flat, self._lane_reduce(op, lane, flat))
                 del lane
-                np.copyto(flat, out)
             elif algo == "inline":
                 np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
             elif algo == "direct":
@@ -378,18 +384,6 @@ class ObjstoreBackend(CollectiveBackend):
         sent = self._publish_same(flat, [j for j in range(size) if j != me])
         got = self.ctx.exchange(call, 0, sent)
         terms = self._fetch(got, call)
-        mine = sent[0]
-        self._reduce_ranked(flat, op, terms, lambda: (
-            self._fetch([mine], call)[0] if isinstance(mine, tuple) else [np.array(flat)]))
-        del sent
-
-    def _reduce_ranked(self, flat: np.ndarray, op: ReduceOp, terms: Dict[int, Segments],
-                       own: Any) -> None:
-        """``flat = x0 (op) x1 (op) ... (op) x(W-1)``, in rank order, where ``terms[s]`` is
-        rank ``s``'s buffer (every rank but this one) and ``flat`` is this rank's; ``own()``
-        gives this rank's buffer as segments when it is needed after ``flat`` is overwritten
-        (ranks 2 and up). Every rank computes bitwise the same result."""
-        me, size = self.ctx.rank, self.ctx.size
         if me == 0:
             _reduce_into(op, flat, terms[1])
         elif me == 1:
@@ -398,14 +392,17 @@ class ObjstoreBackend(CollectiveBackend):
             for lo, hi, a in _spans(terms[0]):
                 _combine_into(op, flat[lo:hi], a, flat[lo:hi])
         else:
-            # Our buffer is overwritten by x0 (op) x1 first: our own term comes from own().
-            terms[me] = own()
+            # Our buffer is overwritten by x0 (op) x1 first: read our own term from our object.
+            mine = sent[0]
+            terms[me] = (self._fetch([mine], call)[0] if isinstance(mine, tuple)
+                         else [np.array(flat)])
             for (lo, hi, a), (_, _, b) in zip(_spans(terms[0]), _spans(terms[1])):
                 _combine_into(op, flat[lo:hi], a, b)
         for s in range(2, size):
             _reduce_into(op, flat, terms[s])
         del terms
         finalize(op, flat, size)
+        del sent
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
@@ -413,7 +410,7 @@ class ObjstoreBackend(CollectiveBackend):
         lane = self.ctx.lane_gather(call, _flat_in(arr)) if arr.nbytes <= self.lane_bytes else None
         if lane is not None or self._all_reduce_algo(arr.nbytes) == "inline":
             if lane is not None:
-                result = reduce_arrays(op, lane) if me == dst else None
+                result = self._lane_reduce(op, lane, arr) if me == dst else None
             else:
                 result = self.ctx.exchange(call, 0, _flat_in(arr), mode="reduce", root=dst)
             if me == dst:
@@ -456,7 +453,7 @@ class ObjstoreBackend(CollectiveBackend):
             lane = self.ctx.lane_gather(call, arr if me == src else None)
             if lane is not None:
                 if me != src:
-                    _copy_into(arr, [np.asarray(lane[src]).reshape(-1)])
+                    _copy_into(arr, [_flat_in(lane[src])])
                 return
         if me == src:
             sent = self._publish_same(arr, [j for j in range(size) if j != me])
@@ -493,7 +490,7 @@ class ObjstoreBackend(CollectiveBackend):
             lane = self.ctx.lane_gather(call, mine)
             if lane is not None:
                 piece = host_view((inputs or [])[me]) if me == src else lane[src][me]
-                _copy_into(out, [np.asarray(piece).reshape(-1)])
+                _copy_into(out, [_flat_in(piece)])
                 return
         if me == src:
             arrays = [host_view(t) for t in inputs or []]
@@ -547,7 +544,7 @@ class ObjstoreBackend(CollectiveBackend):
                     _copy_into(outs[me], [_flat_in(ins[me])])
                     for s, m in enumerate(lane):
                         if s != me:
-                            _copy_into(outs[s], [np.asarray(m[0][me]).reshape(-1)])
+                            _copy_into(outs[s], [_flat_in(m[0][me])])
                     return
                 step = 1  # step 0 was the lane's
             del lane
