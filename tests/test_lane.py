@@ -94,19 +94,60 @@ def test_small_collectives_go_through_the_lane_with_the_coordinators_results(act
 
 def _mismatch_across_paths(rank: int) -> Any:
     _works()  # the lane is set up
-    # rank 0: a small all_reduce (lane); rank 1: a large one (through the coordinator)
-    n = 4 if rank == 0 else 200_000
+    # rank 0: a small all_reduce (lane); rank 1: one larger than the lane takes, which
+    # (``stream=False``) goes through the coordinator
+    n = 4 if rank == 0 else 600_000
     got = _outcome(lambda: raycoll.all_reduce(np.ones(n)))
     return got, _works(), _works()
 
 
 @pytest.mark.timeout(120)
 def test_lane_rank_and_coordinator_rank_in_one_call_both_get_the_mismatch(actors):
-    for (kind, message, took), ok, again in _on(actors[:2], _mismatch_across_paths):
+    for (kind, message, took), ok, again in _on(actors[:2], _mismatch_across_paths,
+                                                options={"stream": False}):
         assert kind == "CollectiveMismatchError", message
-        assert "shape" in message and "(4,)" in message and "(200000,)" in message, message
+        assert "shape" in message and "(4,)" in message and "(600000,)" in message, message
         assert took < 5.0, took
         assert ok and again
+
+
+def _streamed_mismatch(rank: int) -> Any:
+    _works()
+    # both larger than one lane round: both stream, and round 0 shows the mismatch
+    n = 600_000 if rank == 0 else 500_000
+    got = _outcome(lambda: raycoll.all_reduce(np.ones(n)))
+    big = np.full(700_000, rank + 1.0)
+    raycoll.all_reduce(big)  # the group goes on, streaming
+    return got, bool((big == 3.0).all()), _works()
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatch_in_a_streamed_collective_fails_it_on_every_rank_and_the_group_goes_on(
+        actors):
+    results = _on(actors[:2], _streamed_mismatch)
+    for (kind, message, took), big_ok, ok in results:
+        assert kind == "CollectiveMismatchError", message
+        assert "(600000,)" in message and "(500000,)" in message, message
+        assert took < 5.0, took
+        assert big_ok and ok
+    assert results[0][0][1] == results[1][0][1]
+
+
+def _streamed_stall(rank: int) -> Any:
+    _works()
+    if rank == 1:
+        time.sleep(3.5)
+        return None
+    return _outcome(lambda: raycoll.all_gather_into_tensor(np.zeros(2_000_000),
+                                                           np.ones(1_000_000)))
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_collective_times_out_naming_the_missing_rank(actors):
+    kind, message, took = _on(actors[:2], _streamed_stall, timeout=2.0)[0]
+    assert kind == "DistTimeoutError", message
+    assert "all_gather_into_tensor #2" in message and "ranks [1] never arrived" in message
+    assert 1.9 < took < 8.0, took
 
 
 def _mismatch_on_lane(rank: int) -> Any:

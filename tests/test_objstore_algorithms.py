@@ -129,8 +129,9 @@ def actors(rank_actors: List[Any]) -> List[Any]:
     {"all_reduce_algo": "inline", "lane": False},
     {},
     {"lane_bytes": 4096},
+    {"lane_bytes": 4096, "stream": False},
 ], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-coordinator",
-        "lane", "lane-4KiB-then-objects"])
+        "lane", "lane-4KiB-streamed", "lane-4KiB-then-objects"])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
 def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dtype: str) -> None:
     world, n = 3, 1001  # chunks of 334/334/333 elements; 1000-byte segments split unevenly
@@ -139,6 +140,27 @@ def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dty
     try:
         refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
                 for r, a in enumerate(actors)]
+        results = ray.get(refs, timeout=180)
+    finally:
+        raycoll.destroy_group(name)
+    _check(results, world, n, dtype)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stream_bytes", [1000, 4096])
+@pytest.mark.parametrize("dtype", ["float64", "int32"])
+def test_streamed_rounds_of_any_size_match_numpy(actors: Any, stream_bytes: int,
+                                                 dtype: str) -> None:
+    """Two ranks fit the cores of any machine CI runs on, so their large collectives stream
+    in rounds of ``stream_bytes`` per destination: rounds that cut chunks, pieces and
+    segments unevenly, and a last round shorter than the others."""
+    world, n = 2, 1001
+    name = f"stream-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(actors[:world], group_name=name, timeout=120,
+                         options={"stream_bytes": stream_bytes})
+    try:
+        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
+                for r, a in enumerate(actors[:world])]
         results = ray.get(refs, timeout=180)
     finally:
         raycoll.destroy_group(name)

@@ -142,20 +142,24 @@ class GroupContext:
         return self.client.wait(ref, call.timeout_s, **self.ctx(call))
 
     # ------------------------------------------------------------------ the lane
-    def lane_gather(self, call: Call, payload: Any) -> Optional[List[Any]]:
-        """Every rank's ``payload`` for ``call`` (by group rank) through the shared-memory
-        lane, or ``None`` when this group does not use the lane (then use :meth:`exchange`).
+    def lane_gather(self, call: Call, payload: Any, sub: int = 0,
+                    views: bool = False) -> Optional[List[Any]]:
+        """Every rank's ``payload`` for round ``sub`` of ``call`` (by group rank) through the
+        shared-memory lane, or ``None`` when this group does not use the lane (then use
+        :meth:`exchange`); ``views``: see :meth:`raycoll.backends.lane.Lane.all_gather`.
 
-        Every rank must make the same call here for the same collective: the backend calls
-        it only for collectives whose every rank's payload is small, as decided from the
-        arguments the ranks must agree on (their fingerprint).
+        Every rank must make the same calls here for the same collective: the backend calls
+        it only for collectives whose every rank's payload is small, or that it streams in
+        rounds of small payloads, as decided from the arguments the ranks must agree on
+        (their fingerprint). Round 0 decides (and sets up) the lane; later rounds of a call
+        whose round 0 used it always do.
         """
         lane = self._lane
         if lane is None:
             lane = self._set_up_lane(call)
         if lane is False:
             return None
-        return lane.all_gather(call, payload)
+        return lane.all_gather(call, payload, sub, views)
 
     def _set_up_lane(self, call: Call) -> Any:
         """Decide, inside ``call`` and identically on every rank, whether the group uses the

@@ -76,7 +76,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Lane", "open_channel", "release_channel", "lane_possible", "lane_report_s"]
+__all__ = ["Lane", "open_channel", "release_channel", "lane_possible", "lane_report_s",
+           "node_cores"]
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
 SPIN_S = 0.001
@@ -101,11 +102,10 @@ def lane_report_s() -> float:
     return REPORT_EVERY_S
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+def node_cores() -> int:
+    """The node's CPU count: the same on every rank of a node (unlike a process's affinity),
+    so ranks that decide something from it decide alike."""
+    return os.cpu_count() or 1
 
 
 def lane_possible(ctx: "GroupContext") -> bool:
@@ -113,7 +113,7 @@ def lane_possible(ctx: "GroupContext") -> bool:
     process being the rank's actor, and the group option ``lane`` not switched off."""
     if ctx.size < 2 or not ctx.options.get("lane", True) or not ctx.single_node:
         return False
-    if ctx.size > int(ctx.options.get("lane_max_ranks", 2 * _cores())):
+    if ctx.size > int(ctx.options.get("lane_max_ranks", 2 * node_cores())):
         return False  # polling W - 1 channels on each of W oversubscribed ranks loses
     if any(a is None for a in ctx.actors):
         return False
@@ -204,12 +204,13 @@ class Lane:
         self._in = peers
         for channel in peers.values():
             channel.ensure_registered_as_reader()
-        self._spin = SPIN_S if ctx.size <= _cores() else 0.0
+        self._spin = SPIN_S if ctx.size <= node_cores() else 0.0
         # The last collective this rank completed on the lane: every rank had written its
         # message for it, so each completes it too (see ``_progress``).
         self._done: Optional[Tuple[str, int]] = None
         self.calls = 0
         self._waiting: Optional[Tuple[int, List[int]]] = None
+        self._started = (-1, 0.0)  # (seq, when its round 0 began)
         # A peer's message read while waiting for an earlier collective (see ``_skipped``).
         self._early: Dict[int, Any] = {}
         self._reported_at = float("-inf")
@@ -217,10 +218,17 @@ class Lane:
         self._report_timer: Optional[threading.Timer] = None
 
     # ------------------------------------------------------------------ the collective
-    def all_gather(self, call: "Call", payload: Any) -> List[Any]:
-        """Every rank's ``payload`` for ``call``, by group rank (ours as given)."""
+    def all_gather(self, call: "Call", payload: Any, sub: int = 0,
+                   views: bool = False) -> List[Any]:
+        """Every rank's ``payload`` for round ``sub`` of ``call``, by group rank (ours as
+        given). A collective too large for one message streams through rounds 0, 1, ...
+        (the same on every rank: derived from arguments the fingerprint covers).
+
+        ``views=True``: peers' arrays are returned as read-only views of their channels,
+        not copies; the caller must drop every reference to them before this rank's next
+        lane call (until then the peer cannot write its next message)."""
         try:
-            return self._all_gather(call, payload)
+            return self._all_gather(call, payload, sub, views)
         except (errors.CollectiveMismatchError, errors.PeerArgumentError):
             raise  # the call failed on every rank alike; the group goes on
         except BaseException:
@@ -237,10 +245,13 @@ class Lane:
         except Exception:  # noqa: BLE001 - best effort: the coordinator knows the group is broken
             pass
 
-    def _all_gather(self, call: "Call", payload: Any) -> List[Any]:
+    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool) -> List[Any]:
         me = self.ctx.rank
-        waiter = _Waiter(self, call)
-        message: Any = ("msg", self.epoch, call.seq, call.fp, payload)
+        if sub == 0 or self._started[0] != call.seq:
+            self._started = (call.seq, time.monotonic())
+        waiter = _Waiter(self, call, self._started[1])  # the timeout is the whole call's
+        key = (call.seq, sub)
+        message: Any = ("msg", self.epoch, key, call.fp, payload)
         out: List[Any] = [None] * self.ctx.size
         out[me] = payload
         fps: Dict[int, Dict[str, Any]] = {me: call.fp}
@@ -255,7 +266,7 @@ class Lane:
                                                    waiter.first):
                 message = None
             for s in list(pending):
-                got = self._guard(call, waiter, self._try_read, s, call,
+                got = self._guard(call, waiter, self._try_read, s, call, key, views,
                                   waiter.first and message is None and s == pending[0])
                 if got is not None:
                     fps[s], out[s] = got
@@ -265,11 +276,12 @@ class Lane:
         # Every rank wrote its message for this call, so each completes it once it reads
         # them: what the coordinator is told (see ``check``) if a later call hangs.
         self._done = (call.op, call.seq)
-        self.calls += 1
+        self.calls += sub == 0
         self.report()
         self._waiting = None
         problem = fingerprint_mismatch(fps, self.ctx.global_ranks)
         if problem:
+            out = []  # no view of a peer's channel may outlive this call (in a traceback)
             raise errors.CollectiveMismatchError(
                 f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
                 **self.ctx.ctx(call))
@@ -279,7 +291,7 @@ class Lane:
         """Tell lane readers at once that this rank rejected its arguments for ``call`` (if
         the channel is free now; otherwise they learn it from the coordinator)."""
         try:
-            self._out.write(("reject", self.epoch, call.seq, None, message), timeout=0)
+            self._out.write(("reject", self.epoch, (call.seq, 0), None, message), timeout=0)
         except Exception:  # noqa: BLE001 - best effort, the coordinator has it too
             pass
 
@@ -291,9 +303,11 @@ class Lane:
         except _TIMEOUT:
             return False
 
-    def _try_read(self, s: int, call: "Call", spin: bool) -> Optional[Tuple[Dict[str, Any], Any]]:
-        """Peer ``s``'s message for ``call`` as ``(fingerprint, payload)``, or ``None`` if it
-        has not come yet. Older messages (calls this rank did not read) are skipped."""
+    def _try_read(self, s: int, call: "Call", key: Tuple[int, int], views: bool,
+                  spin: bool) -> Optional[Tuple[Dict[str, Any], Any]]:
+        """Peer ``s``'s message for round ``key`` (``(seq, sub)``) of ``call`` as
+        ``(fingerprint, payload)``, or ``None`` if it has not come yet. Older messages (calls
+        this rank did not read) are skipped."""
         channel = self._in[s]
         while True:
             message = self._early.pop(s, None)
@@ -304,22 +318,22 @@ class Lane:
                     return None
                 if isinstance(message, BaseException):  # the channel's error bit (closed)
                     raise message
-            kind, epoch, seq, fp, payload = message
+            kind, epoch, at, fp, payload = message
             del message
-            if epoch != self.epoch or seq < call.seq:
+            if epoch != self.epoch or at < key:
                 del payload
                 spin = False
                 continue
-            if seq > call.seq:  # it left this call out: kept for the call it belongs to
-                self._early[s] = (kind, epoch, seq, fp, _own(payload))
+            if at > key:  # it left this call out: kept for the call it belongs to
+                self._early[s] = (kind, epoch, at, fp, _own(payload))
                 del payload
-                raise self._skipped(call, s, seq)
+                raise self._skipped(call, s, at[0])
             g = self.ctx.global_ranks[s]
             if kind == "reject":
                 raise errors.PeerArgumentError(
                     f"{call.op} #{call.seq} on group {self.ctx.group_name!r} cannot run: rank "
                     f"{g} rejected its arguments: {payload}", **self.ctx.ctx(call))
-            return fp, _own(payload)
+            return fp, (payload if views else _own(payload))
 
     def _skipped(self, call: "Call", s: int, seq: int) -> BaseException:
         """Peer ``s`` wrote for collective ``seq`` while this rank waits in an earlier one:
@@ -444,13 +458,13 @@ class Lane:
 class _Waiter:
     """The waiting policy of one lane collective: spin, poll, check, time out."""
 
-    def __init__(self, lane: Lane, call: "Call") -> None:
+    def __init__(self, lane: Lane, call: "Call", start: float) -> None:
         self.lane = lane
         self.call = call
-        self.start = time.monotonic()
+        self.start = start
         self.first = True
         self.sleep = POLL_MIN_S
-        self.check_at = self.start + CHECK_FIRST_S
+        self.check_at = time.monotonic() + CHECK_FIRST_S
         self.check_every = CHECK_FIRST_S
 
     def pause(self, pending: Sequence[int]) -> None:
