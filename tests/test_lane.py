@@ -133,6 +133,25 @@ def test_a_mismatch_in_a_streamed_collective_fails_it_on_every_rank_and_the_grou
     assert results[0][0][1] == results[1][0][1]
 
 
+def _mismatch_kept(rank: int) -> Any:
+    _works()
+    out, inp = (np.zeros(4), np.ones(2)) if rank == 0 else (np.zeros(6), np.ones(3))
+    work = raycoll.all_gather_into_tensor(out, inp, async_op=True)
+    got = _outcome(work.wait)
+    # the failed Work keeps its error (and the error its traceback) while the group goes on:
+    # no view of a peer's channel may stay with them, or that peer could never write again
+    g = np.zeros(4)
+    raycoll.all_gather_into_tensor(g, np.full(2, rank + 1.0))
+    return got, g.tolist(), _works(), work is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_lane_collective_kept_by_its_work_does_not_block_the_peers(actors):
+    for got, gathered, ok, _ in _on(actors[:2], _mismatch_kept, timeout=10.0):
+        assert got[0] == "CollectiveMismatchError", got
+        assert gathered == [1.0, 1.0, 2.0, 2.0] and ok
+
+
 def _streamed_stall(rank: int) -> Any:
     _works()
     if rank == 1:

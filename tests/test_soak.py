@@ -13,7 +13,7 @@ from helpers import soak_module
 def test_short_soak_keeps_memory_flat(ray_local):
     soak = soak_module()
     cfg = soak.SoakConfig(groups=2, world_size=2, rounds=32, warmup_rounds=6, large_every=8,
-                          large_mb=6.0)  # above the lane (4 MiB): large ones use the store
+                          large_mb=6.0)  # group 1's large collectives use the store
     report = soak.run(cfg, log=lambda _msg: None)
     print("\n" + report.summary())
     assert report.collectives["all_reduce"] == cfg.rounds

@@ -6,16 +6,21 @@ actor waking up for every arrival (measured ~2.5-3 ms for two ranks on the refer
 machine, four times an actor round trip). When all ranks of a group are actors on one node,
 each rank instead owns one Ray shared-memory channel (``ray.experimental.channel.Channel``,
 the mutable plasma objects that Ray's compiled graphs use), written by it and read by every
-peer. A one-step collective whose every rank's part is at most ``lane_bytes`` (group option,
-4 MiB by default) is then one write of this rank's message and one read of each peer's: every
-rank gets every rank's contribution and computes its own result locally (reductions in rank
-order, so every rank holds bitwise the same result). Measured on the reference machine, 2
-ranks: all_reduce of 4 B ~0.15 ms (an actor round trip costs ~0.7-1 ms), of 1 MiB ~0.5 ms,
-of 4 MiB ~2.6 ms (through the object store: 12-14 ms).
+peer. A collective is then one *round* or more: in each, every rank writes one message (at
+most ``lane_bytes``, group option, 4 MiB by default) and reads each peer's. A small one-step
+collective is one round: every rank gets every rank's contribution and computes its own
+result locally (reductions in rank order, so every rank holds bitwise the same result). A
+larger one streams through several rounds (the backend cuts them: see
+raycoll.backends.objstore), reading the peers' parts in place (``views=True``) and dropping
+them before its next round. Measured on the reference machine, 2 ranks: all_reduce of 4 B
+~0.15 ms (an actor round trip costs ~0.7-1 ms), of 1 MiB ~0.3 ms, of 64 MiB ~10-14 ms in
+1 MiB rounds (through the object store: 33-44 ms).
 
-Each message is ``(kind, epoch, seq, fingerprint, payload)``. ``kind`` is ``"msg"`` or, from a
-rank that rejected its own arguments, ``"reject"`` (its peers raise ``PeerArgumentError`` at
-once). What could go wrong through the coordinator is still detected:
+Each message is ``(kind, epoch, (seq, round), fingerprint, payload)``. ``kind`` is ``"msg"``
+or, from a rank that rejected its own arguments, ``"reject"`` (its peers raise
+``PeerArgumentError`` at once). What could go wrong through the coordinator is still detected
+(a streamed collective's round 0 carries what the ranks must agree on, so a mismatch fails it
+there, before any data moved; a call's timeout covers all its rounds):
 
 - **mismatch**: every rank sees every rank's fingerprint and compares them (every rank
   raises the same ``CollectiveMismatchError``); a rank whose call went to the coordinator
@@ -260,19 +265,26 @@ class Lane:
         self._waiting = (call.seq, pending)
         # Write and read in one loop: our write waits until every reader has dropped our
         # previous message, and a reader that skipped it (its call failed) drops it while
-        # reading for this call, so reads must go on while the write waits.
-        while message is not None or pending:
-            if message is not None and self._guard(call, waiter, self._try_write, message,
-                                                   waiter.first):
-                message = None
-            for s in list(pending):
-                got = self._guard(call, waiter, self._try_read, s, call, key, views,
-                                  waiter.first and message is None and s == pending[0])
-                if got is not None:
-                    fps[s], out[s] = got
-                    pending.remove(s)
-            if message is not None or pending:
-                waiter.pause(pending or peers)
+        # reading for this call, so reads must go on while the write waits. A peer cannot
+        # write again while this rank holds a view of its message, so no view may outlive a
+        # failed call in its traceback (which keeps this frame): ``out`` is emptied then.
+        try:
+            while message is not None or pending:
+                if message is not None and self._guard(call, waiter, self._try_write, message,
+                                                       waiter.first):
+                    message = None
+                for s in list(pending):
+                    got = self._guard(call, waiter, self._try_read, s, call, key, views,
+                                      waiter.first and message is None and s == pending[0])
+                    if got is not None:
+                        fps[s], out[s] = got
+                        pending.remove(s)
+                    got = None
+                if message is not None or pending:
+                    waiter.pause(pending or peers)
+        except BaseException:
+            out.clear()
+            raise
         # Every rank wrote its message for this call, so each completes it once it reads
         # them: what the coordinator is told (see ``check``) if a later call hangs.
         self._done = (call.op, call.seq)
@@ -281,7 +293,7 @@ class Lane:
         self._waiting = None
         problem = fingerprint_mismatch(fps, self.ctx.global_ranks)
         if problem:
-            out = []  # no view of a peer's channel may outlive this call (in a traceback)
+            out.clear()
             raise errors.CollectiveMismatchError(
                 f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
                 **self.ctx.ctx(call))

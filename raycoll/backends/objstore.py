@@ -4,15 +4,20 @@ Every collective is one or two *steps*; a step is one round trip to the coordina
 (:meth:`GroupContext.exchange`), which matches the ranks' arrivals and routes what each rank
 sends to each other rank. What travels depends on the size and the topology:
 
-- **the shared-memory lane** (:mod:`raycoll.backends.lane`): when every rank's part of a
-  one-step collective is at most ``lane_bytes`` (4 MiB) and all ranks are actors on one node
-  (at most ``lane_max_ranks`` of them), each
-  rank writes its part to its own Ray shared-memory channel and reads its peers' parts: no
-  coordinator call at all (all_reduce, reduce, broadcast, all_gather(_into_tensor), gather,
-  scatter, reduce_scatter(_tensor), barrier, and all_to_all(_single): there the ranks' parts
-  may differ in size, so each says on the lane whether its own fits, and if one does not, all
-  go on through the coordinator together; the object collectives and point-to-point stay on
-  the coordinator);
+- **the shared-memory lane** (:mod:`raycoll.backends.lane`), whenever all ranks are actors
+  on one node (at most ``lane_max_ranks`` of them): each rank owns a Ray shared-memory
+  channel, writes its part there and reads its peers' parts: no coordinator call at all. A
+  collective whose every rank's message fits one *round* (``round_bytes``: 1 MiB per
+  destination when the ranks fit the node's cores, else ``lane_bytes``, 4 MiB) takes one
+  round; a larger one *streams* through rounds of that size (``stream``, on by default),
+  reading each peer's part in place from its channel, so the data of a round stays in the
+  caches between the writer's copy and the readers' pass, and nothing is put in the object
+  store. Used by all_reduce (per block of ``W`` chunks: a reduce-scatter round, then an
+  all-gather round), reduce, broadcast, all_gather(_into_tensor), gather, scatter,
+  reduce_scatter(_tensor), barrier and all_to_all(_single) (there the ranks' parts may differ
+  in size: in round 0 each sends its pieces if they fit and everyone's sizes, and every rank
+  derives the same schedule from them). The object collectives and point-to-point stay on
+  the coordinator, and so does everything when ``lane=False``;
 - **inline**: otherwise, when everything a rank sends in a step is at most ``inline_bytes``,
   the arrays ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced
   by the coordinator: one round trip, no object store at all);
@@ -27,7 +32,8 @@ sends to each other rank. What travels depends on the size and the topology:
 Readers reduce or copy straight from the mapped objects into the output buffer; no rank ever
 materialises more than its inputs and outputs.
 
-Algorithms (``W`` ranks, ``N`` bytes per rank's buffer):
+Algorithms through the object store (across nodes, beyond ``lane_max_ranks``, or with
+``stream=False``; ``W`` ranks, ``N`` bytes per rank's buffer):
 
 - ``all_reduce``: inline (the coordinator reduces) up to ``inline_bytes``; *direct* for two
   ranks, and on one node up to ``direct_bytes`` or ``direct_max_ranks`` ranks (one step:
@@ -42,7 +48,8 @@ Algorithms (``W`` ranks, ``N`` bytes per rank's buffer):
 
 Arrays are put as flat segments of at most ``segment_bytes`` (8 MiB) inside one object.
 
-Object-store memory: every object is owned by the rank that put it, and referenced only while
+Object-store memory: a collective on the lane uses none beyond the ranks' channels (a fixed
+``lane_bytes`` per rank, see :mod:`raycoll.backends.lane`). Otherwise every object is owned by the rank that put it, and referenced only while
 a step needs it: a step's objects are dropped by their owner once the next step has been
 matched (every reader arrived there, so it is done reading); objects of a collective's last
 step are dropped by the owner when the step is matched and by each reader once it has copied
@@ -58,7 +65,9 @@ objects in the store until Ray's next batch; use is back at its baseline then. M
 are in benchmarks/BENCHMARKS.md.
 
 Thresholds are group options (``create_group(..., options={...})``): ``lane`` (``False``:
-no shared-memory lane), ``lane_bytes``, ``lane_max_ranks``, ``inline_bytes``,
+no shared-memory lane), ``lane_bytes``, ``lane_max_ranks``, ``stream`` (``False``: large
+collectives through the object store even where the group has a lane), ``stream_bytes``,
+``inline_bytes``,
 ``direct_bytes``, ``direct_max_ranks``, ``segment_bytes``, and ``all_reduce_algo``
 (``"inline"``, ``"direct"``, ``"rs_ag"``) or ``put`` (``"auto"``, ``"combined"``,
 ``"per_peer"``) to force a choice when measuring.
