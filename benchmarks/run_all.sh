@@ -23,8 +23,10 @@ run ops4_gloo --op all_reduce,broadcast,all_gather,reduce_scatter,all_to_all --s
 run small2 --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines
 run small2_coordinator --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines \
     --set lane=false
-run lane64m --op all_reduce,broadcast,all_gather --sizes 16M,64M --world-size 2 --vs gloo --iters 10 \
-    --warmup 3 --check --set lane_bytes=67108864
+run store2_gloo --op all --sizes 4M,64M --world-size 2 --vs gloo --check --iters 10 --warmup 3 \
+    --set stream=false
+run store4_gloo --op all_reduce,broadcast --sizes 64M --world-size 4 --vs gloo --iters 8 --warmup 2 \
+    --set stream=false
 run nodes2 --op all_reduce,broadcast,all_gather --sizes 4M,64M --world-size 2 --nodes 2 \
     --iters 6 --warmup 2 --check --baselines
 run curve_size --op all_reduce --sizes 4:64M:x4 --world-size 2 --vs gloo --iters 10 --warmup 3 \
@@ -32,7 +34,11 @@ run curve_size --op all_reduce --sizes 4:64M:x4 --world-size 2 --vs gloo --iters
 run curve_world --op all_reduce --sizes 4 --world-size 2,4,8,16 --vs gloo --iters 50 --warmup 10 \
     --plot "$out/curve_world.png"
 run memory --op all --sizes 64M --world-size 2 --iters 6 --warmup 2 --memory
+run memory_store --op all --sizes 64M --world-size 2 --iters 6 --warmup 2 --memory --set stream=false
 run memory_ray_default --op all_reduce,broadcast --sizes 64M --world-size 2 --iters 6 --warmup 2 \
-    --memory --ray-free-period-ms 0
+    --memory --ray-free-period-ms 0 --set stream=false
 run free_period_default --op all_reduce,broadcast,all_gather --sizes 4M,64M --world-size 2 \
-    --vs gloo --iters 10 --warmup 3 --ray-free-period-ms 0
+    --vs gloo --iters 10 --warmup 3 --ray-free-period-ms 0 --set stream=false
+{ echo "# load before: $(uptime)"; python benchmarks/cross_node_bound.py 2>/dev/null
+  echo "# load after: $(uptime)"; } > "$out/cross_node_bound.txt"
+cat "$out/cross_node_bound.txt"

@@ -35,9 +35,11 @@ there, before any data moved; a call's timeout covers all its rounds):
 - **group_status**: ranks tell the coordinator their lane progress at most every 0.1 s
   (``Coordinator.lane_progress``, one fire-and-forget call), and group_status waits that long.
 
-Waiting: a read first spins for up to 1 ms (only when the group's ranks fit the node's cores:
-a spinning rank would take a core from the peer it waits for), then polls with a sleep that
-doubles up to 0.5 ms, so a rank waiting for a slow peer uses a few percent of a core.
+Waiting: a read first spins for up to 1 ms when the group's ranks fit the node's cores;
+otherwise (a spinning rank would take a core from the peer it waits for) it polls yielding
+its core for up to 2 ms (``sched_yield``: a peer still working on its part runs first). Then
+it polls with a sleep that doubles up to 0.5 ms, so a rank waiting for a slow peer uses a few
+percent of a core.
 
 A channel's buffer is reused for the next message once every reader has dropped its view of
 the current one, so readers copy what they keep and drop the rest at once. A message a rank
@@ -86,6 +88,10 @@ __all__ = ["Lane", "open_channel", "release_channel", "lane_possible", "lane_rep
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
 SPIN_S = 0.001
+#: Ranks that do not fit the node's cores do not spin: for up to ``YIELD_S`` they poll
+#: yielding the core to any peer that can run (the one still working on its part), then
+#: sleep (group option ``lane_yield_s``).
+YIELD_S = 0.002
 #: The polling sleep doubles from ``POLL_MIN_S`` up to ``POLL_MAX_S``.
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
@@ -210,6 +216,7 @@ class Lane:
         for channel in peers.values():
             channel.ensure_registered_as_reader()
         self._spin = SPIN_S if ctx.size <= node_cores() else 0.0
+        self.yield_s = 0.0 if self._spin else float(ctx.options.get("lane_yield_s", YIELD_S))
         # The last collective this rank completed on the lane: every rank had written its
         # message for it, so each completes it too (see ``_progress``).
         self._done: Optional[Tuple[str, int]] = None
@@ -476,15 +483,19 @@ class _Waiter:
         self.start = start
         self.first = True
         self.sleep = POLL_MIN_S
-        self.check_at = time.monotonic() + CHECK_FIRST_S
+        self.begun = time.monotonic()
+        self.check_at = self.begun + CHECK_FIRST_S
         self.check_every = CHECK_FIRST_S
 
     def pause(self, pending: Sequence[int]) -> None:
         """Nothing came this pass: sleep a little; check with the coordinator or time out
         when it is time to."""
         self.first = False
-        time.sleep(self.sleep)
-        self.sleep = min(self.sleep * 2, POLL_MAX_S)
+        if time.monotonic() - self.begun < self.lane.yield_s:
+            os.sched_yield()  # oversubscribed: let a peer that is still working run first
+        else:
+            time.sleep(self.sleep)
+            self.sleep = min(self.sleep * 2, POLL_MAX_S)
         now = time.monotonic()
         if now - self.start > self.call.timeout_s:
             raise self.lane.time_out(self.call, pending)

@@ -206,14 +206,23 @@ class ObjstoreBackend(CollectiveBackend):
         self.stream = bool(opts.get("stream", True)) and self.lane_bytes > 0
         self.stream_bytes = int(opts.get("stream_bytes", STREAM_BYTES))
         # The most a rank sends in one lane round. Ranks that fit the node's cores wait for
-        # each other spinning, so rounds are cheap and small ones keep their data in the
-        # caches; oversubscribed ranks wait for the scheduler, so fewer, larger rounds win
-        # (measured: 4 ranks on 2 cores, 64 MiB all_reduce 60-80 ms with 4 MiB rounds,
-        # 125-130 ms with 1 MiB rounds). The same on every rank: from the group's options,
-        # its size and the node's cores.
+        # each other spinning, so rounds are cheap, and rounds of at most ``stream_bytes`` per
+        # destination keep their data in the caches between the writer's copy and the
+        # readers' pass. Oversubscribed ranks wait for the scheduler, so a collective that
+        # sends every peer the same data (broadcast, the gathers) takes fewer, larger rounds
+        # (measured, 4 ranks on 2 cores, 64 MiB broadcast: 21 ms in 4 MiB rounds, 56 ms in
+        # 1 MiB rounds); the reductions and all_to_all keep ``stream_bytes`` pieces there
+        # (reduce_scatter: 1.33 MiB pieces 1.5-2.4x slower than 1 MiB ones). The same on every
+        # rank: from the group's options, its size and the node's cores.
+        self.oversubscribed = ctx.size > node_cores()
         self.round_bytes = self.lane_bytes
-        if self.stream and ctx.size <= node_cores():
+        if self.stream and not self.oversubscribed:
             self.round_bytes = min(self.lane_bytes, self.stream_bytes * max(1, ctx.size - 1))
+        # all_reduce and reduce in one round: every rank reads and reduces all W buffers;
+        # streamed, each reduces only its 1/W chunk of them (measured, 4 ranks on 2 cores,
+        # 4 MiB: 11-12 ms in one round, 5 ms streamed).
+        self.reduce_round_bytes = (min(self.round_bytes, self.stream_bytes) if self.stream
+                                   else self.round_bytes)
         self._scratch_buf: Optional[np.ndarray] = None
         self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
         self.direct_max_ranks = int(opts.get("direct_max_ranks", DIRECT_MAX_RANKS))
@@ -394,15 +403,18 @@ class ObjstoreBackend(CollectiveBackend):
         return True
 
     # ------------------------------------------------------------------ streaming
-    def _streams(self, nbytes: int) -> bool:
+    def _streams(self, nbytes: int, limit: Optional[int] = None) -> bool:
         """Whether a collective that would send ``nbytes`` in one lane message (more than
-        the lane takes) streams through the lane in rounds instead (if the group has one:
-        round 0 tells)."""
-        return self.stream and self.ctx.size > 1 and nbytes > self.round_bytes
+        ``limit``, by default ``round_bytes``) streams through the lane in rounds instead (if
+        the group has one: round 0 tells)."""
+        limit = self.round_bytes if limit is None else limit
+        return self.stream and self.ctx.size > 1 and nbytes > limit
 
     def _round_elems(self, itemsize: int, pieces: int) -> int:
         """Elements per destination and round, when a rank sends ``pieces`` of them."""
         per = self.round_bytes // max(1, pieces)
+        if pieces > 1 or not self.oversubscribed:
+            per = min(per, self.stream_bytes)
         return max(1, per // max(1, itemsize))
 
     def _rounds(self, n: int, itemsize: int, pieces: int) -> Iterator[Tuple[int, int, int]]:
@@ -481,9 +493,11 @@ class ObjstoreBackend(CollectiveBackend):
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
         with _flat_out(arr) as flat:
-            if self._streams(flat.nbytes) and self._stream_all_reduce(flat, op, call):
+            if self._streams(flat.nbytes, self.reduce_round_bytes) \
+                    and self._stream_all_reduce(flat, op, call):
                 return
-            lane = self.ctx.lane_gather(call, flat) if flat.nbytes <= self.round_bytes else None
+            lane = (self.ctx.lane_gather(call, flat) if flat.nbytes <= self.reduce_round_bytes
+                    else None)
             algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
             if algo == "lane":
                 np.copyto(flat, self._lane_reduce(op, lane, flat))
@@ -530,7 +544,7 @@ class ObjstoreBackend(CollectiveBackend):
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
-        if self._streams(arr.nbytes):
+        if self._streams(arr.nbytes, self.reduce_round_bytes):
             if me != dst:
                 if self._stream_reduce(_flat_in(arr), dst, op, call, None):
                     return
@@ -538,8 +552,8 @@ class ObjstoreBackend(CollectiveBackend):
                 with _flat_out(arr) as flat:
                     if self._stream_reduce(_flat_in(arr), dst, op, call, flat):
                         return
-        lane = (self.ctx.lane_gather(call, _flat_in(arr)) if arr.nbytes <= self.round_bytes
-                else None)
+        lane = (self.ctx.lane_gather(call, _flat_in(arr))
+                if arr.nbytes <= self.reduce_round_bytes else None)
         if lane is not None or self._all_reduce_algo(arr.nbytes) == "inline":
             if lane is not None:
                 result = self._lane_reduce(op, lane, arr) if me == dst else None
