@@ -423,37 +423,44 @@ class ObjstoreBackend(CollectiveBackend):
         for sub, lo in enumerate(range(0, n, step)):
             yield sub, lo, min(lo + step, n)
 
-    def _stream_all_reduce(self, flat: np.ndarray, op: ReduceOp, call: Call) -> bool:
-        """Reduce-scatter then all-gather, block by block, two lane rounds per block: each
-        rank reduces its chunk of the block (so every rank holds bitwise the same result)
-        and sends it on; ``False`` (nothing done) if the group has no lane."""
-        size, me = self.ctx.size, self.ctx.rank
-        block = self._round_elems(flat.itemsize, size - 1) * size
-        for k, lo in enumerate(range(0, flat.size, block)):
-            part = flat[lo:lo + block]
-            bounds = chunk_bounds(part.size, size)
-            chunks = [part[bounds[j]:bounds[j + 1]] for j in range(size)]
-            if not self._lane_reduce_scatter(chunks, chunks[me], op, call, 2 * k):
-                return False
-            self._lane_gather_round(chunks[me], chunks, call, 2 * k + 1)
-        return True
-
-    def _stream_reduce(self, src: np.ndarray, dst: int, op: ReduceOp, call: Call,
+    def _stream_reduce(self, src: np.ndarray, dst: Optional[int], op: ReduceOp, call: Call,
                        result: Optional[np.ndarray]) -> bool:
-        """reduce as :meth:`_stream_all_reduce`, the reduced chunks going to ``dst`` only
-        (into ``result``, flat, on it)."""
+        """all_reduce (``dst`` None) or reduce of flat ``src`` into flat ``result`` (on every
+        rank, or on ``dst``; it may be ``src``): reduce-scatter then all-gather, block by
+        block. Each rank reduces its chunk of a block (so every rank holds bitwise the same
+        result) and sends it on in the next round, with its pieces of the next block: one
+        round per block, plus one. ``False`` (nothing done) if the group has no lane."""
         size, me = self.ctx.size, self.ctx.rank
-        block = self._round_elems(src.itemsize, size - 1) * size
-        for k, lo in enumerate(range(0, src.size, block)):
-            part = src[lo:lo + block]
-            bounds = chunk_bounds(part.size, size)
-            chunks = [part[bounds[j]:bounds[j + 1]] for j in range(size)]
-            outs = ([result[lo + bounds[j]:lo + bounds[j + 1]] for j in range(size)]
-                    if result is not None else [])
-            mine = outs[me] if outs else self._scratch(chunks[me])
-            if not self._lane_reduce_scatter(chunks, mine, op, call, 2 * k):
+        # a message holds W pieces: W - 1 of this block and our reduced chunk of the last one
+        block = max(1, min(self.stream_bytes, self.lane_bytes // size) // src.itemsize) * size
+        starts = range(0, src.size, block)
+        prev: Optional[Tuple[List[np.ndarray], np.ndarray]] = None  # its reduced chunk goes now
+        for k in range(len(starts) + 1):
+            cur = None
+            if k < len(starts):
+                lo = starts[k]
+                bounds = [lo + b for b in chunk_bounds(min(block, src.size - lo), size)]
+                chunks = [src[bounds[j]:bounds[j + 1]] for j in range(size)]
+                outs = ([result[bounds[j]:bounds[j + 1]] for j in range(size)]
+                        if result is not None else [])
+                # not on dst: a scratch chunk (sent in the next round's write, before the
+                # next block is reduced into it)
+                cur = chunks, outs, outs[me] if outs else self._scratch(chunks[me])
+            got = self.ctx.lane_gather(
+                call, ([c if j != me else None for j, c in enumerate(cur[0])] if cur else None,
+                       prev[1] if prev else None), k, views=True)
+            if got is None:
                 return False
-            self._lane_gather_round(mine, outs, call, 2 * k + 1, root=dst)
+            if prev is not None and prev[0]:
+                for s, m in enumerate(got):
+                    if s != me:
+                        np.copyto(prev[0][s], m[1])
+            if cur is not None:
+                self._reduce_received(op, cur[2], cur[0][me],
+                                      {s: [_flat_in(m[0][me])] for s, m in enumerate(got)
+                                       if s != me})
+            got = m = None
+            prev = (cur[1], cur[2]) if cur is not None else None
         return True
 
     def _stream_reduce_scatter(self, pieces: Sequence[np.ndarray], out: np.ndarray,
@@ -494,7 +501,7 @@ class ObjstoreBackend(CollectiveBackend):
             return
         with _flat_out(arr) as flat:
             if self._streams(flat.nbytes, self.reduce_round_bytes) \
-                    and self._stream_all_reduce(flat, op, call):
+                    and self._stream_reduce(flat, None, op, call, flat):
                 return
             lane = (self.ctx.lane_gather(call, flat) if flat.nbytes <= self.reduce_round_bytes
                     else None)
