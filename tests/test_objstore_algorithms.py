@@ -173,7 +173,9 @@ def _first_all_reduce(rank: int) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bad,needle", [({"all_reduce_algo": "ring"}, "all_reduce_algo"),
-                                        ({"put": "sometimes"}, "group option put")])
+                                        ({"put": "sometimes"}, "group option put"),
+                                        ({"stream_bytes": 0}, "group option stream_bytes"),
+                                        ({"lane_bytes": "4M"}, "group option lane_bytes")])
 def test_bad_options_are_refused_with_the_option_named(actors: Any, bad: Dict[str, Any],
                                                        needle: str) -> None:
     name = f"bad-{uuid.uuid4().hex[:8]}"

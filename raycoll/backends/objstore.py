@@ -201,6 +201,12 @@ class ObjstoreBackend(CollectiveBackend):
     def __init__(self, ctx: GroupContext) -> None:
         super().__init__(ctx)
         opts = ctx.options
+        for key, least in (("lane_bytes", 0), ("stream_bytes", 1), ("inline_bytes", 0),
+                           ("segment_bytes", 1)):
+            value = opts.get(key, least)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"group option {key}: expected an int >= {least}, got "
+                                 f"{value!r} (group {ctx.group_name!r})")
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
         self.lane_bytes = lane_bytes(opts)
         self.stream = bool(opts.get("stream", True)) and self.lane_bytes > 0
