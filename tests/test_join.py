@@ -122,6 +122,47 @@ def test_uneven_inputs_totals_and_post_hook_broadcast(ranks, world_size):
         assert res["config_reset"]
 
 
+BIG = 400_000  # 3.2 MB of float64: more than one lane round, so the all_reduces stream
+
+
+class _BigHook(raycoll.JoinHook):
+    def __init__(self, owner: "BigAllReducer") -> None:
+        self.owner = owner
+
+    def main_hook(self) -> None:
+        raycoll.all_reduce(np.zeros(BIG), group=self.owner.group)
+
+
+class BigAllReducer(AllReducer):
+    """Each input all-reduces BIG ones; a joined rank shadows with BIG zeros."""
+
+    def step(self) -> None:
+        self.notified.append(raycoll.Join.notify_join_context(self))
+        t = np.ones(BIG)
+        raycoll.all_reduce(t, group=self.group)
+        assert (t == t[0]).all(), "every element of a streamed all_reduce alike"
+        self.total += float(t[0])
+
+    def join_hook(self, **kwargs: Any) -> raycoll.JoinHook:
+        return _BigHook(self)
+
+
+def _uneven_big(rank: int, counts: List[int]) -> float:
+    joinable = BigAllReducer()
+    with raycoll.Join([joinable]):
+        for _ in range(counts[rank]):
+            joinable.step()
+    return joinable.total
+
+
+@pytest.mark.timeout(120)
+def test_uneven_inputs_with_streamed_collectives(ranks):
+    """The shadow collectives of joined ranks stream like the real ones (large tensors)."""
+    counts = [2, 4, 3]
+    totals = ranks.run(_uneven_big, 3, counts)
+    assert totals == [_expected_total(r, counts) for r in range(3)]
+
+
 @pytest.mark.timeout(120)
 def test_several_joinables_and_kwargs_reach_the_hooks(ranks):
     counts = [BASE, BASE + 2, BASE + 2]  # ranks 1 and 2 both join last
