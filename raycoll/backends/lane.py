@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["Lane", "open_channel", "release_channel", "lane_possible", "lane_report_s",
-           "node_cores"]
+           "oversubscribed"]
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
 SPIN_S = 0.001
@@ -117,6 +117,13 @@ def node_cores() -> int:
     """The node's CPU count: the same on every rank of a node (unlike a process's affinity),
     so ranks that decide something from it decide alike."""
     return os.cpu_count() or 1
+
+
+def oversubscribed(size: int) -> bool:
+    """Whether ``size`` ranks on one node outnumber its cores: they must not spin while they
+    wait (a spinning rank takes the core of the peer it waits for), and every lane round
+    costs them a scheduler wake-up."""
+    return size > node_cores()
 
 
 def lane_possible(ctx: "GroupContext") -> bool:
@@ -215,14 +222,15 @@ class Lane:
         self._in = peers
         for channel in peers.values():
             channel.ensure_registered_as_reader()
-        self._spin = SPIN_S if ctx.size <= node_cores() else 0.0
-        self.yield_s = 0.0 if self._spin else float(ctx.options.get("lane_yield_s", YIELD_S))
+        crowded = oversubscribed(ctx.size)
+        self._spin = 0.0 if crowded else SPIN_S
+        self.yield_s = float(ctx.options.get("lane_yield_s", YIELD_S)) if crowded else 0.0
         # The last collective this rank completed on the lane: every rank had written its
         # message for it, so each completes it too (see ``_progress``).
         self._done: Optional[Tuple[str, int]] = None
         self.calls = 0
         self._waiting: Optional[Tuple[int, List[int]]] = None
-        self._started = (-1, 0.0)  # (seq, when its round 0 began)
+        self._call_began = 0.0  # when round 0 of the current collective began
         # A peer's message read while waiting for an earlier collective (see ``_skipped``).
         self._early: Dict[int, Any] = {}
         self._reported_at = float("-inf")
@@ -259,9 +267,9 @@ class Lane:
 
     def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool) -> List[Any]:
         me = self.ctx.rank
-        if sub == 0 or self._started[0] != call.seq:
-            self._started = (call.seq, time.monotonic())
-        waiter = _Waiter(self, call, self._started[1])  # the timeout is the whole call's
+        if sub == 0:  # later rounds follow round 0 of the same call on this lane
+            self._call_began = time.monotonic()
+        waiter = _Waiter(self, call, self._call_began)  # the timeout is the whole call's
         key = (call.seq, sub)
         message: Any = ("msg", self.epoch, key, call.fp, payload)
         out: List[Any] = [None] * self.ctx.size

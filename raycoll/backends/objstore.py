@@ -12,8 +12,9 @@ sends to each other rank. What travels depends on the size and the topology:
   round; a larger one *streams* through rounds of that size (``stream``, on by default),
   reading each peer's part in place from its channel, so the data of a round stays in the
   caches between the writer's copy and the readers' pass, and nothing is put in the object
-  store. Used by all_reduce (per block of ``W`` chunks: a reduce-scatter round, then an
-  all-gather round), reduce, broadcast, all_gather(_into_tensor), gather, scatter,
+  store. Used by all_reduce and reduce (per block of ``W`` chunks, reduce-scatter then
+  all-gather: a round carries a block's pieces and the reduced chunk of the block before),
+  broadcast, all_gather(_into_tensor), gather, scatter,
   reduce_scatter(_tensor), barrier and all_to_all(_single) (there the ranks' parts may differ
   in size: in round 0 each sends its pieces if they fit and everyone's sizes, and every rank
   derives the same schedule from them). The object collectives and point-to-point stay on
@@ -49,20 +50,20 @@ Algorithms through the object store (across nodes, beyond ``lane_max_ranks``, or
 Arrays are put as flat segments of at most ``segment_bytes`` (8 MiB) inside one object.
 
 Object-store memory: a collective on the lane uses none beyond the ranks' channels (a fixed
-``lane_bytes`` per rank, see :mod:`raycoll.backends.lane`). Otherwise every object is owned by the rank that put it, and referenced only while
-a step needs it: a step's objects are dropped by their owner once the next step has been
-matched (every reader arrived there, so it is done reading); objects of a collective's last
-step are dropped by the owner when the step is matched and by each reader once it has copied
-or reduced them (the coordinator keeps no reference once it has routed them). So the live
-data of one collective is at most what the ranks send in two consecutive steps: ``N`` per
-rank for ``all_reduce`` (direct: ``N``; reduce-scatter + all-gather: ``(W-1)/W N`` then
-``N/W``), ``N`` for the root of ``broadcast`` and of ``scatter`` (``(W-1)/W N``), ``N/W`` per
-rank for ``all_gather``, ``(W-1)/W`` of each rank's input for ``reduce_scatter`` and
-``all_to_all`` — plus, across nodes, a secondary copy of each object pulled onto another node.
-Ray frees objects that went out of scope in batches (``RAY_free_objects_period_milliseconds``,
-by default every second), so back-to-back collectives keep up to a second's worth of their
-objects in the store until Ray's next batch; use is back at its baseline then. Measured peaks
-are in benchmarks/BENCHMARKS.md.
+``lane_bytes`` per rank, see :mod:`raycoll.backends.lane`). Otherwise every object is owned by
+the rank that put it, and referenced only while a step needs it: a step's objects are dropped
+by their owner once the next step has been matched (every reader arrived there, so it is done
+reading); objects of a collective's last step are dropped by the owner when the step is
+matched and by each reader once it has copied or reduced them (the coordinator keeps no
+reference once it has routed them). So the live data of one collective is at most what the
+ranks send in two consecutive steps: ``N`` per rank for ``all_reduce`` (direct: ``N``;
+reduce-scatter + all-gather: ``(W-1)/W N`` then ``N/W``), ``N`` for the root of ``broadcast``
+and of ``scatter`` (``(W-1)/W N``), ``N/W`` per rank for ``all_gather``, ``(W-1)/W`` of each
+rank's input for ``reduce_scatter`` and ``all_to_all`` — plus, across nodes, a secondary copy
+of each object pulled onto another node. Ray frees objects that went out of scope in batches
+(``RAY_free_objects_period_milliseconds``, by default every second), so back-to-back
+collectives keep up to a second's worth of their objects in the store until Ray's next batch;
+use is back at its baseline then. Measured peaks are in benchmarks/BENCHMARKS.md.
 
 Thresholds are group options (``create_group(..., options={...})``): ``lane`` (``False``:
 no shared-memory lane), ``lane_bytes``, ``lane_max_ranks``, ``stream`` (``False``: large
@@ -82,7 +83,7 @@ import numpy as np
 import ray
 
 from raycoll import errors
-from raycoll.backends.lane import node_cores
+from raycoll.backends.lane import oversubscribed
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.coordinator import meta_mismatch
 from raycoll.reduce_op import ReduceOp, combine, finalize
@@ -220,7 +221,7 @@ class ObjstoreBackend(CollectiveBackend):
         # 1 MiB rounds); the reductions and all_to_all keep ``stream_bytes`` pieces there
         # (reduce_scatter: 1.33 MiB pieces 1.5-2.4x slower than 1 MiB ones). The same on every
         # rank: from the group's options, its size and the node's cores.
-        self.oversubscribed = ctx.size > node_cores()
+        self.oversubscribed = oversubscribed(ctx.size)
         self.round_bytes = self.lane_bytes
         if self.stream and not self.oversubscribed:
             self.round_bytes = min(self.lane_bytes, self.stream_bytes * max(1, ctx.size - 1))
@@ -345,7 +346,8 @@ class ObjstoreBackend(CollectiveBackend):
         (flat). Returns our payloads: keep them referenced until the peers are done.
         """
         me, size = self.ctx.rank, self.ctx.size
-        if step == 0 and sum(p.nbytes for j, p in enumerate(pieces) if j != me) <= self.round_bytes \
+        to_peers = sum(p.nbytes for j, p in enumerate(pieces) if j != me)
+        if step == 0 and to_peers <= self.round_bytes \
                 and self._lane_reduce_scatter(pieces, out, op, call):
             return []
         sent = self._publish({j: pieces[j] for j in range(size) if j != me})
