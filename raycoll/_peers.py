@@ -12,8 +12,8 @@ benchmark can print raycoll's time over the peer's time:
   collective is measured against (one actor-to-actor call; one ``ray.get`` of an array another
   actor put, on another node where one exists).
 
-Sizes follow nccl-tests: for ``all_reduce``, ``broadcast``, ``reduce`` and ``send_recv``,
-``nbytes`` is each rank's buffer; for the gathering, scattering and all-to-all operations it is
+Sizes follow nccl-tests: for ``all_reduce``, ``broadcast``, ``reduce`` and ``send_recv`` (a round trip
+between rank 0 and the last rank), ``nbytes`` is each rank's buffer; for the gathering, scattering and all-to-all operations it is
 the large buffer (the gathered output, the reduce-scatter input, the all-to-all send buffer)
 and each rank's share is ``nbytes / world_size``. :func:`effective_nbytes` gives the size run
 after rounding down to whole elements (at least one element per rank).
@@ -175,12 +175,15 @@ def _gloo_step(op: str, count: int, dtype: str, rank: int, world: int) -> Callab
         return lambda: dist.scatter(x, pieces, src=0)
     if op == "barrier":
         return lambda: dist.barrier()
-    recv = buf()  # send_recv: nccl-tests ring, send to rank+1 while receiving from rank-1
+    recv = buf()  # send_recv: a round trip between rank 0 and the last rank
 
     def send_recv() -> None:
-        for work in (dist.isend(x, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)):
-            if work is not None:  # None only for ranks outside the group
-                work.wait()
+        if rank == 0:
+            dist.send(x, world - 1)
+            dist.recv(recv, world - 1)
+        elif rank == world - 1:
+            dist.recv(recv, 0)
+            dist.send(x, 0)
 
     return send_recv
 
@@ -212,16 +215,15 @@ def _ray_collective_step(
         return lambda: col.reducescatter(x, ins, group)
     if op == "barrier":
         return lambda: col.barrier(group)
-    recv = torch.zeros(count, dtype=dt)  # send_recv: blocking calls only, so alternate by parity
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    recv = torch.zeros(count, dtype=dt)  # send_recv: a round trip, rank 0 <-> the last rank
 
     def send_recv() -> None:
-        if rank % 2 == 0:
-            col.send(x, nxt, group)
-            col.recv(recv, prv, group)
-        else:
-            col.recv(recv, prv, group)
-            col.send(x, nxt, group)
+        if rank == 0:
+            col.send(x, world - 1, group)
+            col.recv(recv, world - 1, group)
+        elif rank == world - 1:
+            col.recv(recv, 0, group)
+            col.send(x, 0, group)
 
     return send_recv
 
@@ -349,11 +351,14 @@ class _ActorPeer(Peer):
         try:
             places = self._get([a.placement.remote() for a in self._actors])
             one_node = len({node for node, _ in places}) == 1
-            rendezvous: Dict[str, Any] = {
-                "timeout_s": self.timeout.total_seconds(),
-                "ifname": _loopback_ifname() if one_node else None,
-            }
-            rendezvous.update(self._rendezvous(places[0][1] if not one_node else "127.0.0.1"))
+            # RAYCOLL_SOCKET_IFNAME (raycoll's GLOO_SOCKET_IFNAME) names the interface for the
+            # peer too, so that both run over the same network (loopback in tests).
+            ifname = os.environ.get("RAYCOLL_SOCKET_IFNAME") or (
+                _loopback_ifname() if one_node else None)
+            host = "127.0.0.1" if one_node or ifname == "lo" else places[0][1]
+            rendezvous: Dict[str, Any] = {"timeout_s": self.timeout.total_seconds(),
+                                          "ifname": ifname}
+            rendezvous.update(self._rendezvous(host))
             self._get([a.init.remote(rendezvous) for a in self._actors])
         except BaseException:
             self.close()

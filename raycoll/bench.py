@@ -13,6 +13,9 @@ the same Ray). It prints an nccl-tests style table: size, element count, time (m
 iterations), algorithm bandwidth (``bytes / time``), bus bandwidth (algbw times nccl-tests'
 factor for the operation) and the number of wrong elements.
 
+``send_recv`` times a round trip: rank 0 sends to the last rank (on another node with
+``--nodes``), which sends it back.
+
 Sizes follow nccl-tests: for ``all_reduce``, ``broadcast``, ``reduce`` and ``send_recv`` a
 size is each rank's buffer; for the gathering, scattering and all-to-all operations it is the
 large buffer (the gathered output, the reduce-scatter input, the all-to-all send buffer) and
@@ -323,19 +326,23 @@ def _raycoll_step(op: str, count: int, dtype_name: str, rank: int, world: int,
             return 0
         return (lambda: raycoll.barrier(group=group)), check
     if op == "send_recv":
+        # a round trip between rank 0 and the last rank (on another node with --nodes)
         got = zeros()
-        nxt, prv = (rank + 1) % W, (rank - 1) % W
+        peer = W - 1 if rank == 0 else 0
 
-        def ring() -> None:
-            works = [raycoll.isend(x, nxt, group=group), raycoll.irecv(got, prv, group=group)]
-            for work in works:
-                work.wait()
+        def ping_pong() -> None:
+            if rank == 0:
+                raycoll.send(x, peer, group=group)
+                raycoll.recv(got, peer, group=group)
+            elif rank == W - 1:
+                raycoll.recv(got, peer, group=group)
+                raycoll.send(x, peer, group=group)
 
         def check() -> int:
             x[:] = pat(rank)
-            ring()
-            return wrong(got, pat(prv))
-        return ring, check
+            ping_pong()
+            return wrong(got, pat(peer)) if rank in (0, W - 1) else 0
+        return ping_pong, check
     raise ValueError(f"op: expected one of {', '.join(OPS)}; got {op!r}")
 
 
@@ -522,6 +529,10 @@ class _Ray:
         configure_ray_env(opts)
         if opts.nodes > 1:
             from ray.cluster_utils import Cluster
+
+            # The local nodes share this machine: direct connections stay on loopback (the
+            # nodes' workers inherit the environment).
+            os.environ.setdefault("RAYCOLL_SOCKET_IFNAME", "lo")
 
             per_node = math.ceil(most / opts.nodes)
             need = max(opts.sizes) * 3 * per_node + (256 << 20)

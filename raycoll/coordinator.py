@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import re
+import secrets
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
@@ -117,6 +118,7 @@ class Coordinator:
         self._members: Dict[int, Dict[str, Any]] = {}
         self._formed = asyncio.Event()
         self._generation = 0
+        self._secret = b""
         self._left: set = set()
         self._reset = asyncio.Event()
         self._kv: Dict[str, Any] = {}
@@ -161,6 +163,7 @@ class Coordinator:
                         "with the same rank, or this process was not made part of the group")
         self._members[rank] = info
         if len(self._members) == self._world_size:
+            self._secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
             self._formed.set()
             self._reset = asyncio.Event()
             self._left = set()
@@ -174,6 +177,7 @@ class Coordinator:
         return _ok({
             "members": [dict(self._members[r], rank=r) for r in range(self._world_size)],
             "generation": self._generation,
+            "secret": self._secret,
         })
 
     def leave(self, rank: int) -> Result:
@@ -342,7 +346,7 @@ class Coordinator:
     # ------------------------------------------------------------------ shared-memory lane
     # Small collectives of a group whose ranks share a node skip the coordinator: each rank
     # writes its message to its own Ray shared-memory channel and reads its peers' (see
-    # raycoll.backends.lane). The coordinator only hears from such a rank when its wait lasts
+    # raycoll.transport.lane). The coordinator only hears from such a rank when its wait lasts
     # (``lane_check``, a few times a second at most) or times out (``lane_timeout``); each
     # of those calls carries what the rank knows of its peers' progress, so timeouts and
     # group_status still name every rank's last completed collective.
@@ -540,6 +544,17 @@ class Coordinator:
         return await self._await_p2p(rcv.future, timeout_s, lambda: self._drop_rcv(key, dst, rcv),
                                      f"recv at rank {dst} from {who} (tag {tag}) on group {key!r} "
                                      f"got no message within {timeout_s:g}s")
+
+    def p2p_check(self, key: str, waiting: Sequence[int], waited_s: float) -> Result:
+        """A point-to-point wait on direct connections has lasted ``waited_s`` for global
+        ranks ``waiting``: the error that ends it (a dead rank, a broken group), if any. Past
+        ``PROBE_AFTER_S`` those ranks are probed, as for waits here."""
+        if waited_s >= PROBE_AFTER_S:
+            now = time.monotonic()
+            for g in waiting:
+                self._probe_if_due(g, now)
+        failed = self._unusable(key)
+        return failed if failed is not None else _ok()
 
     # ------------------------------------------------------------------ internals
     def _round(self, key: str, seq: int, step: int, op: str, size: int) -> _Round:
@@ -1126,9 +1141,12 @@ def unwrap(result: Result, ctx: Dict[str, Any]) -> Any:
 
 def rank_info() -> Dict[str, Any]:
     """What a rank tells the coordinator about itself at rendezvous."""
+    from raycoll.transport.tcp import listener
+
     ctx = ray.get_runtime_context()
+    where = listener()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
-                            "time": time.time()}
+                            "time": time.time(), "addr": where.address if where else None}
     try:
         info["actor_id"] = ctx.get_actor_id()
         info["actor"] = ctx.current_actor if info["actor_id"] else None

@@ -88,6 +88,7 @@ class _Root:
     client: CoordinatorClient
     members: List[Dict[str, Any]]
     options: Dict[str, Any]
+    secret: Optional[bytes] = None
 
 
 class ProcessGroup:
@@ -131,6 +132,8 @@ class ProcessGroup:
             on_failure=self._on_backend_failure,
             options=root.options,
             actors=[root.members[g].get("actor") for g in self._global_ranks],
+            addresses=[root.members[g].get("addr") for g in self._global_ranks],
+            secret=root.secret,
         )
 
     # ------------------------------------------------------------------ torch-like accessors
@@ -546,7 +549,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
-    root = _Root(spec.name, client, info["members"], dict(spec.options))
+    root = _Root(spec.name, client, info["members"], dict(spec.options), info.get("secret"))
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
                       config=config, timeout_s=spec.timeout_s)
     w = world()

@@ -339,7 +339,7 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
     ctx = pg.context
     fp_call = pg.with_fingerprint(call, throw_on_early_termination=bool(throw))
     try:
-        seqs = ctx.lane_gather(fp_call, join_seq)
+        seqs = ctx.gather_round(fp_call, join_seq)
     except errors.CollectiveMismatchError as exc:  # out of step: nothing can go on
         err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}", **ctx.ctx(call))
         ctx.client.submit("abort", pg.name, "mismatch", str(err), {})

@@ -22,7 +22,7 @@ from ray.actor import ActorHandle
 
 from raycoll import errors
 from raycoll.backends import BackendConfig
-from raycoll.backends.lane import lane_report_s
+from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
 from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
 from raycoll.work import to_seconds

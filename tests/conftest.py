@@ -16,6 +16,9 @@ import raycoll.testing
 import helpers  # noqa: E402 - tests/ is on sys.path under pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Direct connections between ranks (raycoll.transport.tcp) stay on loopback in tests; set
+# before any Ray starts, so that every worker and every local node inherits it.
+os.environ["RAYCOLL_SOCKET_IFNAME"] = "lo"
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook

@@ -1,4 +1,4 @@
-"""The shared-memory lane (raycoll/backends/lane.py): small collectives among ranks on one
+"""The shared-memory lane (raycoll/transport/lane.py): small collectives among ranks on one
 node go through Ray channels instead of the coordinator, with the same results and the same
 errors (mismatches, rejected arguments, ranks on the other path) on every rank, at once."""
 

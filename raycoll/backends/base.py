@@ -11,6 +11,7 @@ the call's timeout.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -57,6 +58,18 @@ class Call:
     fp: Dict[str, Any] = field(default_factory=dict)
 
 
+_TRANSPORTS = ("auto", "lane", "tcp", "store")
+
+
+def _transport_option(options: Dict[str, Any], group_name: str) -> str:
+    """The group option ``transport`` (``lane=False`` is the old spelling of ``"store"``)."""
+    value = options.get("transport", "auto" if options.get("lane", True) else "store")
+    if value not in _TRANSPORTS:
+        raise ValueError(f"group option transport: expected one of {_TRANSPORTS}, got "
+                         f"{value!r} (group {group_name!r})")
+    return str(value)
+
+
 def chunk_bounds(n: int, parts: int) -> List[int]:
     """``parts + 1`` offsets splitting ``n`` elements into near-equal contiguous chunks.
 
@@ -86,6 +99,8 @@ class GroupContext:
         on_failure: Callable[[BaseException], None],
         options: Optional[Dict[str, Any]] = None,
         actors: Optional[Sequence[Any]] = None,
+        addresses: Optional[Sequence[Any]] = None,
+        secret: Optional[bytes] = None,
     ) -> None:
         self.group_name = group_name
         self.rank = rank
@@ -97,10 +112,23 @@ class GroupContext:
         self.timeout_s = timeout_s
         self.options = dict(options or {})
         self._on_failure = on_failure
-        # The shared-memory lane (see raycoll.backends.lane): None until the first collective
-        # that can use it decides; then a Lane, or False (off on every rank).
-        self._lane: Any = None
+        #: Each rank's direct-connection address (``None`` where it has none) and the
+        #: group's secret (see raycoll.transport.tcp).
+        self.addresses = tuple(addresses) if addresses is not None else (None,) * self.size
+        self.secret = secret
+        self.transport = _transport_option(self.options, group_name)
+        # The round transport (see raycoll.transport): None until the first collective that
+        # can use one decides; then a RoundTransport, or False (none, on every rank).
+        self._plane: Any = None
         self._shifted_seq: Optional[int] = None
+        self._links: Any = None
+        self._mailbox: Any = None
+        if self.transport != "store" and self.size > 1:
+            from raycoll.transport import tcp
+
+            if tcp.tcp_possible(self):
+                self._links = tcp.Links(key=group_name, rank=rank, size=self.size,
+                                        secret=secret, addresses=self.addresses)
 
     @property
     def single_node(self) -> bool:
@@ -142,33 +170,47 @@ class GroupContext:
         return self.client.wait(ref, call.timeout_s, **self.ctx(call))
 
     # ------------------------------------------------------------------ the lane
-    def lane_gather(self, call: Call, payload: Any, sub: int = 0,
-                    views: bool = False) -> Optional[List[Any]]:
+    def gather_round(self, call: Call, payload: Any, sub: int = 0,
+                     views: bool = False) -> Optional[List[Any]]:
         """Every rank's ``payload`` for round ``sub`` of ``call`` (by group rank) through the
-        shared-memory lane, or ``None`` when this group does not use the lane (then use
-        :meth:`exchange`); ``views``: see :meth:`raycoll.backends.lane.Lane.all_gather`.
+        group's round transport (:mod:`raycoll.transport`), or ``None`` when this group has
+        none (then use :meth:`exchange`); ``views``: see
+        :meth:`raycoll.transport.base.RoundTransport.all_gather`.
 
         Every rank must make the same calls here for the same collective: the backend calls
         it only for collectives whose every rank's payload is small, or that it streams in
         rounds of small payloads, as decided from the arguments the ranks must agree on
-        (their fingerprint). Round 0 decides (and sets up) the lane; later rounds of a call
-        whose round 0 used it always do.
+        (their fingerprint). Round 0 decides (and sets up) the transport; later rounds of a
+        call whose round 0 used it always do.
         """
-        lane = self._lane
-        if lane is None:
-            lane = self._set_up_lane(call)
-        if lane is False:
+        plane = self._plane
+        if plane is None:
+            plane = self._set_up_plane(call)
+        if plane is False:
             return None
-        return lane.all_gather(call, payload, sub, views)
+        return plane.all_gather(call, payload, sub, views)
+
+    def _set_up_plane(self, call: Call) -> Any:
+        """Decide, inside ``call`` and identically on every rank, which round transport the
+        group uses: the shared-memory lane (all ranks on this node; set up by one exchange of
+        the ranks' channels as step 0 of ``call``), direct connections (ranks on several
+        nodes, or ``transport="tcp"``), or none."""
+        from raycoll.transport import lane as _lane_mod
+
+        if self.transport in ("auto", "lane") and _lane_mod.lane_possible(self):
+            return self._set_up_lane(call)
+        if self._links is not None and (self.transport == "tcp" or (
+                self.transport == "auto" and not self.single_node)):
+            from raycoll.transport.tcp import TcpTransport
+
+            self._plane = TcpTransport(self, self._links)
+            return self._plane
+        self._plane = False
+        return False
 
     def _set_up_lane(self, call: Call) -> Any:
-        """Decide, inside ``call`` and identically on every rank, whether the group uses the
-        lane; set it up if so (one exchange of the ranks' channels as step 0 of ``call``)."""
-        from raycoll.backends import lane as _lane_mod
+        from raycoll.transport import lane as _lane_mod
 
-        if not _lane_mod.lane_possible(self):
-            self._lane = False
-            return False
         mine = _lane_mod.open_channel(self)
         epoch = uuid.uuid4().hex
         try:
@@ -178,43 +220,91 @@ class GroupContext:
             raise
         if any(c is None for c, _ in got) or mine is None:
             _lane_mod.release_channel(self, mine)
-            self._lane = False
+            self._plane = False
             self._shifted_seq = call.seq
             return False
         peers = {j: c for j, (c, _) in enumerate(got) if j != self.rank}
-        self._lane = _lane_mod.Lane(self, mine, peers, epoch=got[0][1])
-        return self._lane
+        self._plane = _lane_mod.LaneTransport(self, mine, peers, epoch=got[0][1])
+        return self._plane
+
+    def mailbox(self) -> Any:
+        """The group's point-to-point mailbox on direct connections
+        (:class:`raycoll.transport.tcp.Mailbox`), or ``None`` when the group has none (then
+        point-to-point goes through the coordinator)."""
+        if self._links is None:
+            return None
+        if self._mailbox is None:
+            from raycoll.transport.tcp import Mailbox
+
+            self._mailbox = Mailbox(self._links, group=self.group_name,
+                                    global_ranks=self.global_ranks, check=self._p2p_check,
+                                    explain=self._p2p_explain)
+        return self._mailbox
+
+    def _p2p_check(self, peers: Sequence[int], waited_s: float) -> None:
+        """Raise the coordinator's error if a point-to-point wait for ``peers`` must end."""
+        self.client.call("p2p_check", self.group_name, [self.global_ranks[p] for p in peers],
+                         waited_s, timeout_s=30.0, op="p2p", group=self.group_name,
+                         rank=self.global_ranks[self.rank])
+
+    def _p2p_explain(self) -> Optional[BaseException]:
+        """The coordinator's error once it has one (a dead rank reaches it within
+        milliseconds), or ``None`` after a short grace."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                self._p2p_check((), 0.0)
+            except errors.RaycollError as exc:
+                return exc
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
+    @property
+    def transport_name(self) -> str:
+        """The round transport this group uses: ``"lane"``, ``"tcp"``, ``"store"``, or
+        ``"undecided"`` before its first collective."""
+        if self._plane is None:
+            return "undecided"
+        if self._plane is False:
+            return "store"
+        return "lane" if self._plane.name == "shared-memory lane" else "tcp"
 
     def lane_reject(self, call: Call, message: str) -> None:
-        """This rank rejected its arguments for ``call``: tell lane readers now."""
-        if self._lane:
-            self._lane.reject(call, message)
+        """This rank rejected its arguments for ``call``: tell the transport's readers now."""
+        if self._plane:
+            self._plane.reject(call, message)
 
     def lane_report(self) -> None:
-        """Send the coordinator what this rank's lane knows of every rank's progress."""
-        if self._lane:
-            self._lane.report(force=True)
+        """Send the coordinator what this rank's transport knows of every rank's progress."""
+        if self._plane:
+            self._plane.report(force=True)
 
     def lane_missing(self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:
-        """If collective ``seq`` is waiting on the lane: the group ranks it waits for, and
-        each rank's last completed collective (``(op, seq)``, by group rank)."""
-        return self._lane.missing(seq) if self._lane else None
+        """If collective ``seq`` is waiting on the round transport: the group ranks it waits
+        for, and each rank's last completed collective (``(op, seq)``, by group rank)."""
+        return self._plane.missing(seq) if self._plane else None
 
     @property
     def lane_active(self) -> bool:
-        """Whether this group's lane is set up (the same on every rank between collectives)."""
-        return bool(self._lane)
+        """Whether this group's round transport is set up (the same on every rank between
+        collectives)."""
+        return bool(self._plane)
 
     @property
     def lane_calls(self) -> int:
-        """How many collectives went through the shared-memory lane on this rank."""
-        return self._lane.calls if self._lane else 0
+        """How many collectives went through the round transport on this rank."""
+        return self._plane.calls if self._plane else 0
 
     def close(self) -> None:
-        """Release the lane's channels."""
-        if self._lane:
-            self._lane.close()
-        self._lane = False
+        """Release the transports (channels, sockets)."""
+        if self._plane:
+            self._plane.close()
+        self._plane = False
+        if self._mailbox is not None:
+            self._mailbox.close()
+        if self._links is not None:
+            self._links.close()
 
     def fail(self, exc: BaseException) -> None:
         """Report a failure that breaks the group (e.g. a peer's object was lost)."""

@@ -4,7 +4,7 @@ Every collective is one or two *steps*; a step is one round trip to the coordina
 (:meth:`GroupContext.exchange`), which matches the ranks' arrivals and routes what each rank
 sends to each other rank. What travels depends on the size and the topology:
 
-- **the shared-memory lane** (:mod:`raycoll.backends.lane`), whenever all ranks are actors
+- **the shared-memory lane** (:mod:`raycoll.transport.lane`), whenever all ranks are actors
   on one node (at most ``lane_max_ranks`` of them): each rank owns a Ray shared-memory
   channel, writes its part there and reads its peers' parts: no coordinator call at all. A
   collective whose every rank's message fits one *round* (``round_bytes``: 1 MiB per
@@ -50,7 +50,7 @@ Algorithms through the object store (across nodes, beyond ``lane_max_ranks``, or
 Arrays are put as flat segments of at most ``segment_bytes`` (8 MiB) inside one object.
 
 Object-store memory: a collective on the lane uses none beyond the ranks' channels (a fixed
-``lane_bytes`` per rank, see :mod:`raycoll.backends.lane`). Otherwise every object is owned by
+``lane_bytes`` per rank, see :mod:`raycoll.transport.lane`). Otherwise every object is owned by
 the rank that put it, and referenced only while a step needs it: a step's objects are dropped
 by their owner once the next step has been matched (every reader arrived there, so it is done
 reading); objects of a collective's last step are dropped by the owner when the step is
@@ -83,12 +83,13 @@ import numpy as np
 import ray
 
 from raycoll import errors
-from raycoll.backends.lane import oversubscribed
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.coordinator import meta_mismatch
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import host_view
+from raycoll.transport.base import PerPeer
+from raycoll.transport.lane import LANE_BYTES, lane_bytes, oversubscribed
 
 __all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "STREAM_BYTES",
            "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
@@ -97,11 +98,6 @@ __all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "STREA
 #: just under Ray's limit for arguments passed by value (100 KiB, ``max_direct_call_object_size``)
 #: above which Ray itself puts them into the object store (measured slower than our own put).
 INLINE_BYTES = 96 * 1024
-#: A one-step collective whose every rank's part is at most this size goes through the
-#: shared-memory lane when the group has one (group option ``lane_bytes``). Each rank's
-#: channel is allocated at this size (plus room for the message around it) for as long as the
-#: rank's process lives (see raycoll.backends.lane): a fixed cost, like NCCL's buffers.
-LANE_BYTES = 4 << 20
 #: ``all_reduce`` of at most this many bytes (and more than ``INLINE_BYTES``) uses the one-step
 #: direct algorithm on a single node; larger ones reduce-scatter then all-gather.
 DIRECT_BYTES = 1 << 20
@@ -127,11 +123,6 @@ STREAM_BYTES = 1 << 20
 _ALGOS = ("inline", "direct", "rs_ag")
 
 
-def lane_bytes(options: Dict[str, Any]) -> int:
-    """The group's ``lane_bytes`` option (0 when ``lane=False``)."""
-    if not options.get("lane", True):
-        return 0
-    return int(options.get("lane_bytes", LANE_BYTES))
 _PUTS = ("auto", "combined", "per_peer")
 
 #: What one rank sends another in a step: an inline array, or ``(ref, start, stop)``: the
@@ -361,7 +352,7 @@ class ObjstoreBackend(CollectiveBackend):
         """Round ``sub`` of ``call`` on the lane: :meth:`_reduce_scatter_step`'s exchange,
         reading the peers' pieces in place; ``False`` if the group has no lane."""
         me = self.ctx.rank
-        got = self.ctx.lane_gather(call, [p if j != me else None for j, p in enumerate(pieces)],
+        got = self.ctx.gather_round(call, PerPeer(p if j != me else None for j, p in enumerate(pieces)),
                                    sub, views=True)
         if got is None:
             return False
@@ -386,7 +377,7 @@ class ObjstoreBackend(CollectiveBackend):
         """Every rank's ``mine`` lands in ``outs[rank]`` (only on ``root``, when given)."""
         me, size = self.ctx.rank, self.ctx.size
         if step == 0 and mine.nbytes <= self.round_bytes \
-                and self._lane_gather_round(mine, outs, call, root=root):
+                and self._gather_round_round(mine, outs, call, root=root):
             return
         to = [j for j in range(size) if j != me and (root is None or j == root)]
         got = self.ctx.exchange(call, step, self._publish_same(mine, to))
@@ -398,11 +389,11 @@ class ObjstoreBackend(CollectiveBackend):
             _copy_into(outs[s], segs)
         del received
 
-    def _lane_gather_round(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
+    def _gather_round_round(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                            sub: int = 0, root: Optional[int] = None) -> bool:
         """Round ``sub`` of ``call`` on the lane: :meth:`_gather_step`'s exchange, copying
         straight from the peers' channels; ``False`` if the group has no lane."""
-        got = self.ctx.lane_gather(call, mine, sub, views=True)
+        got = self.ctx.gather_round(call, mine, sub, views=True)
         if got is None:
             return False
         if root is None or self.ctx.rank == root:
@@ -454,8 +445,8 @@ class ObjstoreBackend(CollectiveBackend):
                 # not on dst: a scratch chunk (sent in the next round's write, before the
                 # next block is reduced into it)
                 cur = chunks, outs, outs[me] if outs else self._scratch(chunks[me])
-            got = self.ctx.lane_gather(
-                call, ([c if j != me else None for j, c in enumerate(cur[0])] if cur else None,
+            got = self.ctx.gather_round(
+                call, (PerPeer(c if j != me else None for j, c in enumerate(cur[0])) if cur else None,
                        prev[1] if prev else None), k, views=True)
             if got is None:
                 return False
@@ -483,7 +474,7 @@ class ObjstoreBackend(CollectiveBackend):
                        root: Optional[int] = None) -> bool:
         """all_gather / gather of flat ``mine`` into flat ``outs``, round by round."""
         for sub, lo, hi in self._rounds(mine.size, mine.itemsize, 1):
-            if not self._lane_gather_round(mine[lo:hi], [o[lo:hi] for o in outs], call, sub,
+            if not self._gather_round_round(mine[lo:hi], [o[lo:hi] for o in outs], call, sub,
                                            root=root):
                 return False
         return True
@@ -511,7 +502,7 @@ class ObjstoreBackend(CollectiveBackend):
             if self._streams(flat.nbytes, self.reduce_round_bytes) \
                     and self._stream_reduce(flat, None, op, call, flat):
                 return
-            lane = (self.ctx.lane_gather(call, flat) if flat.nbytes <= self.reduce_round_bytes
+            lane = (self.ctx.gather_round(call, flat) if flat.nbytes <= self.reduce_round_bytes
                     else None)
             algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
             if algo == "lane":
@@ -567,7 +558,7 @@ class ObjstoreBackend(CollectiveBackend):
                 with _flat_out(arr) as flat:
                     if self._stream_reduce(_flat_in(arr), dst, op, call, flat):
                         return
-        lane = (self.ctx.lane_gather(call, _flat_in(arr))
+        lane = (self.ctx.gather_round(call, _flat_in(arr))
                 if arr.nbytes <= self.reduce_round_bytes else None)
         if lane is not None or self._all_reduce_algo(arr.nbytes) == "inline":
             if lane is not None:
@@ -622,7 +613,7 @@ class ObjstoreBackend(CollectiveBackend):
                 if self._stream_broadcast(flat, src, call):
                     return
         if size > 1 and arr.nbytes <= self.round_bytes:
-            lane = self.ctx.lane_gather(call, arr if me == src else None)
+            lane = self.ctx.gather_round(call, arr if me == src else None)
             if lane is not None:
                 if me != src:
                     _copy_into(arr, [_flat_in(lane[src])])
@@ -639,7 +630,7 @@ class ObjstoreBackend(CollectiveBackend):
     def _stream_broadcast(self, flat: np.ndarray, src: int, call: Call) -> bool:
         me = self.ctx.rank
         for sub, lo, hi in self._rounds(flat.size, flat.itemsize, 1):
-            got = self.ctx.lane_gather(call, flat[lo:hi] if me == src else None, sub, views=True)
+            got = self.ctx.gather_round(call, flat[lo:hi] if me == src else None, sub, views=True)
             if got is None:
                 return False
             if me != src:
@@ -683,9 +674,9 @@ class ObjstoreBackend(CollectiveBackend):
                 if self._stream_scatter(flat, ins, src, call):
                     return
         if size > 1 and out.nbytes * (size - 1) <= self.round_bytes:
-            mine = ([host_view(t) if j != me else None for j, t in enumerate(inputs or [])]
+            mine = (PerPeer(host_view(t) if j != me else None for j, t in enumerate(inputs or []))
                     if me == src else None)
-            lane = self.ctx.lane_gather(call, mine)
+            lane = self.ctx.gather_round(call, mine)
             if lane is not None:
                 piece = host_view((inputs or [])[me]) if me == src else lane[src][me]
                 _copy_into(out, [_flat_in(piece)])
@@ -705,8 +696,8 @@ class ObjstoreBackend(CollectiveBackend):
                         call: Call) -> bool:
         me = self.ctx.rank
         for sub, lo, hi in self._rounds(flat.size, flat.itemsize, self.ctx.size - 1):
-            got = self.ctx.lane_gather(
-                call, [p[lo:hi] if j != me else None for j, p in enumerate(ins)] if ins else None,
+            got = self.ctx.gather_round(
+                call, PerPeer(p[lo:hi] if j != me else None for j, p in enumerate(ins)) if ins else None,
                 sub, views=True)
             if got is None:
                 return False
@@ -742,8 +733,8 @@ class ObjstoreBackend(CollectiveBackend):
             # not; all see all, and either all finish here or all stream the pieces in later
             # rounds (or, with ``stream=False``, go on to the coordinator together).
             fits = sum(ins[j].nbytes for j in range(size) if j != me) <= self.round_bytes
-            pieces = [ins[j] if j != me else None for j in range(size)] if fits else None
-            lane = self.ctx.lane_gather(call, (pieces, send_meta, recv_meta))
+            pieces = PerPeer(ins[j] if j != me else None for j in range(size)) if fits else None
+            lane = self.ctx.gather_round(call, (pieces, send_meta, recv_meta))
             if lane is not None:
                 problem = meta_mismatch({s: m[1] for s, m in enumerate(lane)},
                                         {s: m[2] for s, m in enumerate(lane)},
@@ -785,8 +776,8 @@ class ObjstoreBackend(CollectiveBackend):
             flats = [stack.enter_context(_flat_out(o)) for o in outs]
             np.copyto(flats[me], src[me])
             for sub, lo, hi in self._rounds(longest, src[me].itemsize, self.ctx.size - 1):
-                got = self.ctx.lane_gather(
-                    call, [a[lo:hi] if j != me else None for j, a in enumerate(src)], sub + 1,
+                got = self.ctx.gather_round(
+                    call, PerPeer(a[lo:hi] if j != me else None for j, a in enumerate(src)), sub + 1,
                     views=True)
                 for s, pieces in enumerate(got):
                     if s != me:
@@ -797,13 +788,22 @@ class ObjstoreBackend(CollectiveBackend):
     def barrier(self, call: Call) -> None:
         # monitored_barrier stays on the coordinator: it reports who is missing, and does not
         # break the group when it times out
-        if call.op == "barrier" and self.ctx.lane_gather(call, None) is not None:
+        if call.op == "barrier" and self.ctx.gather_round(call, None) is not None:
             return
         self.ctx.exchange(call, 0, None)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
+        mailbox = self.ctx.mailbox()
+        if mailbox is not None:  # straight to the peer (raycoll.transport.tcp)
+            done = mailbox.send(arr, dst, tag, _meta(arr), timeout_s)
+
+            def finish() -> Optional[int]:
+                done()
+                return None
+
+            return finish
         # inline: snapshot now, the caller may reuse its buffer before the message is matched
         payload: Payload = (np.array(arr) if arr.nbytes <= self.inline_bytes
                             else self._publish_same(arr, [dst])[dst])
@@ -819,6 +819,9 @@ class ObjstoreBackend(CollectiveBackend):
 
     def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
+        mailbox = self.ctx.mailbox()
+        if mailbox is not None:
+            return mailbox.recv(arr, src, tag, _meta(arr), timeout_s)
         ref = self.ctx.p2p_recv(src, tag, _meta(arr), timeout_s)
         call = Call("recv", -1, timeout_s)
 

@@ -1,0 +1,13 @@
+"""How a collective's bytes move between ranks (see :mod:`raycoll.transport.base`).
+
+- :mod:`raycoll.transport.base`: the round interface every CPU algorithm is written against,
+  and the round loop, fingerprint checks and waiting policy all transports share;
+- :mod:`raycoll.transport.lane`: ranks on one node, through Ray shared-memory channels;
+- :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes), and the
+  point-to-point mailbox.
+
+A group picks its transport once, at its first collective, the same on every rank (group
+option ``transport``: ``"auto"``, ``"lane"``, ``"tcp"``, ``"store"``); what has none goes
+through the coordinator and the Ray object store (raycoll.backends.objstore). Transports
+know nothing of collectives: they move rounds of payloads and point-to-point messages.
+"""

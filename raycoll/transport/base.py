@@ -1,0 +1,398 @@
+"""The transport boundary: how one *round* of a collective moves between a group's ranks.
+
+A round is the unit every CPU algorithm in :mod:`raycoll.backends.objstore` is written
+against: each rank hands over one payload and gets every rank's payload back, by group rank
+(:meth:`RoundTransport.all_gather`). A payload is any picklable structure of numpy arrays; a
+:class:`PerPeer` inside it holds one element per destination, and a transport may deliver
+each destination only its own element (the others arrive as ``None``), so algorithms read
+``got[s][me]`` wherever they sent ``PerPeer``. A collective too large for one round streams
+through rounds ``0, 1, ...``, the same on every rank.
+
+This module holds what every transport shares: the round loop (write, read each peer,
+skip what an earlier failed call left, keep what a later call sent early), the
+fingerprint check (every rank sees every rank's fingerprint, so a mismatch raises the same
+``CollectiveMismatchError`` everywhere), rejections, and the waiting policy with its
+control-plane checks (a dead rank, an abort or a timeout ends the wait with the
+coordinator's error; see ``Coordinator.lane_check``). A transport implements four hooks:
+
+- ``_write(message, spin)``: hand this rank's message for the round over; ``True`` once
+  all of it went (called again with the same message until then);
+- ``_read(s, spin)``: the next message from group rank ``s``, or ``None`` if none yet;
+- ``_idle(seconds, pending)``: wait until something may have come from ``pending`` (or
+  at most ``seconds``);
+- ``_shut()`` / ``_release()``: close after a failure (so that late peers fail too) /
+  release at the end of the group.
+
+Transports: :mod:`raycoll.transport.lane` (ranks on one node: Ray shared-memory channels)
+and :mod:`raycoll.transport.tcp` (any ranks: direct sockets, also point-to-point). What has
+neither goes through the coordinator and the object store (raycoll.backends.objstore).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycoll import errors
+from raycoll.coordinator import fingerprint_mismatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.backends.base import Call, GroupContext
+
+__all__ = ["PerPeer", "RoundTransport", "Message", "project", "own"]
+
+#: ``(kind, epoch, (seq, round), fingerprint, payload)``; kind ``"msg"`` or ``"reject"``.
+Message = Tuple[str, str, Tuple[int, int], Any, Any]
+
+#: A waiting rank asks the coordinator first after ``CHECK_FIRST_S``, then at intervals that
+#: double up to ``CHECK_MAX_S``.
+CHECK_FIRST_S = 0.1
+CHECK_MAX_S = 1.0
+#: A transport error (not a timeout) waits this long for the coordinator to explain it (a
+#: rank's death reaches it within milliseconds) before it breaks the group by itself.
+FAILURE_GRACE_S = 2.0
+#: A rank busy with collectives on a transport tells the coordinator their progress this often.
+REPORT_EVERY_S = 0.1
+
+
+class PerPeer(list):
+    """A list with one element per destination (group rank) inside a round's payload: a
+    transport may deliver destination ``j`` only element ``j`` (the rest as ``None``)."""
+
+    __slots__ = ()
+
+
+def project(payload: Any, dst: int) -> Any:
+    """``payload`` as destination ``dst`` needs it: each :class:`PerPeer` (at the top or
+    inside a top-level tuple) keeps only element ``dst``."""
+    if isinstance(payload, PerPeer):
+        out = PerPeer([None] * len(payload))
+        out[dst] = payload[dst]
+        return out
+    if isinstance(payload, tuple) and any(isinstance(p, PerPeer) for p in payload):
+        return tuple(project(p, dst) for p in payload)
+    return payload
+
+
+def own(value: Any) -> Any:
+    """A copy of a received payload that pins no transport buffer."""
+    if isinstance(value, np.ndarray):
+        return np.array(value)
+    if isinstance(value, (list, tuple)):
+        copied = [own(v) for v in value]
+        return type(value)(copied) if isinstance(value, list) else tuple(copied)
+    return value
+
+
+def report_period_s() -> float:
+    """How far behind a rank's transport collectives the coordinator (group_status) may be."""
+    return REPORT_EVERY_S
+
+
+class RoundTransport:
+    """One group's round transport on this rank (see the module docstring)."""
+
+    #: What the transport is called in errors and ``group_status``.
+    name = "transport"
+
+    def __init__(self, ctx: "GroupContext", epoch: str, peers: Sequence[int]) -> None:
+        self.ctx = ctx
+        # A message from an earlier group on the same medium carries another epoch: skipped.
+        self.epoch = epoch
+        self._peers = sorted(peers)
+        self._poisoned = False
+        self._closed = False
+        # The last collective this rank completed here: every rank had written its message
+        # for it, so each completes it too (see ``_progress``).
+        self._done: Optional[Tuple[str, int]] = None
+        self.calls = 0
+        self._waiting: Optional[Tuple[int, List[int]]] = None
+        self._call_began = 0.0  # when round 0 of the current collective began
+        # A peer's message read while waiting for an earlier collective (see ``_skipped``).
+        self._early: Dict[int, Message] = {}
+        self._reported_at = float("-inf")
+        self._report_lock = threading.Lock()
+        self._report_timer: Optional[threading.Timer] = None
+        #: Waiting policy (set by subclasses): spin this long before polling, yield the core
+        #: this long when oversubscribed, then poll with a sleep doubling up to ``poll_max_s``.
+        self.spin_s = 0.0
+        self.yield_s = 0.0
+        self.poll_min_s = 20e-6
+        self.poll_max_s = 500e-6
+
+    # ------------------------------------------------------------------ hooks
+    def _write(self, message: Message, spin: bool) -> bool:
+        raise NotImplementedError  # pragma: no cover - every transport implements it
+
+    def _read(self, s: int, spin: bool) -> Optional[Message]:
+        raise NotImplementedError  # pragma: no cover - every transport implements it
+
+    def _idle(self, seconds: float, pending: Sequence[int]) -> None:
+        time.sleep(seconds)
+
+    def _write_reject(self, message: Message) -> None:
+        """Best effort: hand a rejection over now, without waiting."""
+
+    def _shut(self) -> None:
+        """Close after a failure, so that a rank arriving late fails too."""
+
+    def _release(self) -> None:
+        """Release what the transport holds at the end of the group."""
+
+    # ------------------------------------------------------------------ the collective
+    def all_gather(self, call: "Call", payload: Any, sub: int = 0,
+                   views: bool = False) -> List[Any]:
+        """Every rank's ``payload`` for round ``sub`` of ``call``, by group rank (ours as
+        given). ``views=True``: peers' arrays may be read-only views of the transport's
+        buffers, valid until this rank's next round on it (drop every reference by then)."""
+        try:
+            return self._all_gather(call, payload, sub, views)
+        except (errors.CollectiveMismatchError, errors.PeerArgumentError):
+            raise  # the call failed on every rank alike; the group goes on
+        except BaseException:
+            # The group is broken (timeout, dead rank, abort): close, so that a rank arriving
+            # late fails instead of completing with the messages we left.
+            self._poisoned = True
+            try:
+                self._shut()
+            except Exception:  # noqa: BLE001 - best effort: the coordinator knows
+                pass
+            raise
+
+    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool) -> List[Any]:
+        me = self.ctx.rank
+        if sub == 0:  # later rounds follow round 0 of the same call
+            self._call_began = time.monotonic()
+        waiter = _Waiter(self, call, self._call_began)  # the timeout is the whole call's
+        key = (call.seq, sub)
+        message: Optional[Message] = ("msg", self.epoch, key, call.fp, payload)
+        out: List[Any] = [None] * self.ctx.size
+        out[me] = payload
+        fps: Dict[int, Dict[str, Any]] = {me: call.fp}
+        pending = list(self._peers)
+        self._waiting = (call.seq, pending)
+        # Write and read in one loop: a write may wait until the peers have taken our
+        # previous message (or room in their buffers), which they do while reading for this
+        # call. No view of a peer's buffer may outlive a failed call in its traceback (which
+        # keeps this frame): ``out`` is emptied then.
+        try:
+            while message is not None or pending:
+                if message is not None and self._guard(call, self._write, message,
+                                                       waiter.first):
+                    message = None
+                for s in list(pending):
+                    got = self._guard(call, self._take, s, call, key, views,
+                                      waiter.first and message is None and s == pending[0])
+                    if got is not None:
+                        fps[s], out[s] = got
+                        pending.remove(s)
+                    got = None
+                if message is not None or pending:
+                    waiter.pause(pending or self._peers)
+        except BaseException:
+            out.clear()
+            raise
+        self._done = (call.op, call.seq)
+        self.calls += sub == 0
+        self.report()
+        self._waiting = None
+        problem = fingerprint_mismatch(fps, self.ctx.global_ranks)
+        if problem:
+            out.clear()
+            raise errors.CollectiveMismatchError(
+                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
+                **self.ctx.ctx(call))
+        return out
+
+    def reject(self, call: "Call", message: str) -> None:
+        """Tell the peers at once that this rank rejected its arguments for ``call`` (if the
+        transport can take it now; otherwise they learn it from the coordinator)."""
+        try:
+            self._write_reject(("reject", self.epoch, (call.seq, 0), None, message))
+        except Exception:  # noqa: BLE001 - best effort, the coordinator has it too
+            pass
+
+    def _take(self, s: int, call: "Call", key: Tuple[int, int], views: bool,
+              spin: bool) -> Optional[Tuple[Dict[str, Any], Any]]:
+        """Peer ``s``'s message for round ``key`` (``(seq, sub)``) of ``call`` as
+        ``(fingerprint, payload)``, or ``None`` if it has not come yet. Older messages (calls
+        this rank did not read) are skipped."""
+        while True:
+            message = self._early.pop(s, None)
+            if message is None:
+                message = self._read(s, spin)
+                if message is None:
+                    return None
+            kind, epoch, at, fp, payload = message
+            del message
+            if epoch != self.epoch or at < key:
+                del payload
+                spin = False
+                continue
+            if at > key:  # it left this call out: kept for the call it belongs to
+                self._early[s] = (kind, epoch, at, fp, own(payload))
+                del payload
+                raise self._skipped(call, s, at[0])
+            if kind == "reject":
+                raise errors.PeerArgumentError(
+                    f"{call.op} #{call.seq} on group {self.ctx.group_name!r} cannot run: rank "
+                    f"{self.ctx.global_ranks[s]} rejected its arguments: {payload}",
+                    **self.ctx.ctx(call))
+            return fp, (payload if views else own(payload))
+
+    def _skipped(self, call: "Call", s: int, seq: int) -> BaseException:
+        """Peer ``s`` wrote for collective ``seq`` while this rank waits in an earlier one:
+        its part of this call failed on its side before it reached the transport (it
+        rejected its arguments, or it came through the coordinator and failed there). The
+        coordinator knows which, a moment later; that is the error of this call here too."""
+        explained = self._explained(call)
+        return explained if explained is not None else errors.CollectiveMismatchError(
+            f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: rank "
+            f"{self.ctx.global_ranks[s]} left it out and is already at collective #{seq}: "
+            "the ranks are out of step", **self.ctx.ctx(call))
+
+    def _explained(self, call: "Call") -> Optional[BaseException]:
+        """The coordinator's error for ``call`` once it has one (it learns of a rejection, a
+        dead rank or a failed round a moment after this rank sees the sign), or ``None`` if it
+        has none within ``FAILURE_GRACE_S``."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while True:
+            try:
+                self.check(call)
+            except errors.RaycollError as exc:
+                return exc
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
+    def _guard(self, call: "Call", fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a transport failure (not a timeout) ends the call with the
+        coordinator's error (a dead rank, a broken group) once it has one, or, if it has none
+        within ``FAILURE_GRACE_S``, breaks the group with the transport's error."""
+        try:
+            return fn(*args)
+        except errors.RaycollError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated below
+            explained = self._explained(call)
+            if explained is not None:
+                raise explained from exc
+            err = errors.GroupBrokenError(
+                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: the {self.name} "
+                f"failed on rank {self.ctx.global_ranks[self.ctx.rank]} "
+                f"({type(exc).__name__}: {exc}); the group is broken", **self.ctx.ctx(call))
+            self.ctx.fail(err)
+            raise err from exc
+
+    # ------------------------------------------------------------------ progress reports
+    def report(self, force: bool = False) -> None:
+        """Tell the coordinator every rank's progress (for group_status), in one
+        fire-and-forget call: now when ``force``d or when the last report is older than
+        ``REPORT_EVERY_S``; else once that much time has passed since it (so the coordinator
+        is at most ``REPORT_EVERY_S`` behind, at one call per period however busy)."""
+        with self._report_lock:
+            if self._closed:
+                return
+            now = time.monotonic()
+            due = self._reported_at + REPORT_EVERY_S
+            if not force and now < due:
+                if self._report_timer is None:
+                    self._report_timer = threading.Timer(due - now, self._trailing_report)
+                    self._report_timer.daemon = True
+                    self._report_timer.start()
+                return
+            self._reported_at = now
+            progress = self._progress()
+        try:
+            self.ctx.client.submit("lane_progress", self.ctx.group_name, self.ctx.global_ranks,
+                                   progress)
+        except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
+            pass
+
+    def _trailing_report(self) -> None:
+        with self._report_lock:
+            self._report_timer = None
+        self.report(force=True)
+
+    def missing(self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:
+        """While collective ``seq`` waits here: the group ranks whose messages have not come,
+        and the last collective each rank completed as far as this rank knows."""
+        waiting = self._waiting
+        if waiting is None or waiting[0] != seq:
+            return None
+        return list(waiting[1]), self._progress()
+
+    def _progress(self) -> Dict[int, Tuple[str, int]]:
+        """By group rank, the last collective each rank completed as far as this rank knows."""
+        return {r: self._done for r in range(self.ctx.size)} if self._done else {}
+
+    # ------------------------------------------------------------------ the coordinator
+    def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
+        """Ask the coordinator whether this wait (for group ranks ``waiting``, for
+        ``waited_s``) should end; raises its error if so."""
+        self.ctx.client.call(
+            "lane_check", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
+            call.fp, self._progress(), list(waiting), waited_s, timeout_s=30.0,
+            **self.ctx.ctx(call))
+
+    def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
+        """The error for ``call`` timing out waiting for group ranks ``missing``."""
+        result = self.ctx.client.submit(
+            "lane_timeout", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
+            call.op, list(missing), self._progress(), call.timeout_s)
+        try:
+            self.ctx.client.wait(result, 30.0, **self.ctx.ctx(call))
+        except errors.RaycollError as exc:
+            return exc
+        who = [self.ctx.global_ranks[s] for s in missing]
+        return errors.DistTimeoutError(  # the coordinator answered "ok": cannot happen
+            f"{call.op} #{call.seq} on group {self.ctx.group_name!r} timed out after "
+            f"{call.timeout_s:g}s: ranks {who} never arrived", missing=who, **self.ctx.ctx(call))
+
+    def close(self) -> None:
+        with self._report_lock:
+            if self._report_timer is not None:
+                self._report_timer.cancel()
+                self._report_timer = None
+            if self._closed:
+                return
+            self._closed = True
+        self._early.clear()
+        if self._poisoned:
+            return
+        self._release()
+
+
+class _Waiter:
+    """The waiting policy of one collective: spin, poll, check, time out."""
+
+    def __init__(self, plane: RoundTransport, call: "Call", start: float) -> None:
+        self.plane = plane
+        self.call = call
+        self.start = start
+        self.first = True
+        self.sleep = plane.poll_min_s
+        self.begun = time.monotonic()
+        self.check_at = self.begun + CHECK_FIRST_S
+        self.check_every = CHECK_FIRST_S
+
+    def pause(self, pending: Sequence[int]) -> None:
+        """Nothing came this pass: wait a little; check with the coordinator or time out
+        when it is time to."""
+        self.first = False
+        if time.monotonic() - self.begun < self.plane.yield_s:
+            os.sched_yield()  # oversubscribed: let a peer that is still working run first
+        else:
+            self.plane._idle(self.sleep, pending)
+            self.sleep = min(self.sleep * 2, self.plane.poll_max_s)
+        now = time.monotonic()
+        if now - self.start > self.call.timeout_s:
+            raise self.plane.time_out(self.call, pending)
+        if now >= self.check_at:
+            self.plane.check(self.call, pending, now - self.start)
+            self.check_every = min(self.check_every * 2, CHECK_MAX_S)
+            self.check_at = time.monotonic() + self.check_every
