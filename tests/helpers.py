@@ -91,3 +91,98 @@ def soak_module() -> Any:
     spec.loader.exec_module(module)
     ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import benchmarks/
     return module
+
+
+def every_op(rank: int, world_size: int, n: int) -> Any:
+    """Every collective and point-to-point call on the default group with ``n``-element
+    arrays (strided and uneven ones among them), each checked here against numpy. Returns
+    ``(failures, transport)``: what came out wrong (empty when all is right) and the round
+    transport the group used."""
+    import raycoll
+    from raycoll.group import world
+
+    W, me = world_size, rank
+    bad = []
+
+    def mine(r: int, k: int = n, salt: int = 0) -> np.ndarray:
+        return data(r, (k,), "float64", salt)
+
+    def check(what: str, got: Any, want: Any) -> None:
+        if not np.allclose(np.asarray(got), np.asarray(want)):
+            bad.append(what)
+
+    x = mine(me)
+    raycoll.all_reduce(x)
+    check("all_reduce", x, sum(mine(r) for r in range(W)))
+    strided = np.zeros((n, 2))
+    strided[:, 0] = mine(me)
+    raycoll.all_reduce(strided[:, 0], op=raycoll.ReduceOp.MAX)  # non-contiguous, in place
+    check("all_reduce strided MAX", strided[:, 0], np.max([mine(r) for r in range(W)], axis=0))
+    x = mine(me)
+    raycoll.reduce(x, dst=W - 1)
+    if me == W - 1:
+        check("reduce", x, sum(mine(r) for r in range(W)))
+    x = mine(me) if me == 1 else np.zeros(n)
+    raycoll.broadcast(x, src=1)
+    check("broadcast", x, mine(1))
+    outs = [np.zeros(n) for _ in range(W)]
+    raycoll.all_gather(outs, mine(me))
+    check("all_gather", np.stack(outs), np.stack([mine(r) for r in range(W)]))
+    flat = np.zeros(n * W)
+    raycoll.all_gather_into_tensor(flat, mine(me))
+    check("all_gather_into_tensor", flat, np.concatenate([mine(r) for r in range(W)]))
+    gathered = [np.zeros(n) for _ in range(W)] if me == 0 else None
+    raycoll.gather(mine(me), gathered, dst=0)
+    if me == 0:
+        check("gather", np.stack(gathered), np.stack([mine(r) for r in range(W)]))
+    out = np.zeros(n)
+    raycoll.scatter(out, [mine(j, salt=5) for j in range(W)] if me == 0 else None, src=0)
+    check("scatter", out, mine(me, salt=5))
+    out = np.zeros(n)
+    raycoll.reduce_scatter(out, [mine(me, salt=j) for j in range(W)])
+    check("reduce_scatter", out, sum(mine(r, salt=me) for r in range(W)))
+    out = np.zeros(n)
+    raycoll.reduce_scatter_tensor(out, np.concatenate([mine(me, salt=j) for j in range(W)]))
+    check("reduce_scatter_tensor", out, sum(mine(r, salt=me) for r in range(W)))
+    # uneven: rank r sends (r + j + 1) elements to rank j
+    sends = [mine(me, me + j + 1, salt=j) for j in range(W)]
+    recvs = [np.zeros(s + me + 1) for s in range(W)]
+    raycoll.all_to_all(recvs, sends)
+    for s in range(W):
+        check(f"all_to_all from {s}", recvs[s], mine(s, s + me + 1, salt=me))
+    in_splits = [me + j + 1 for j in range(W)]
+    out_splits = [s + me + 1 for s in range(W)]
+    got = np.zeros(sum(out_splits))
+    raycoll.all_to_all_single(got, np.concatenate(sends), out_splits, in_splits)
+    check("all_to_all_single", got, np.concatenate([mine(s, s + me + 1, salt=me)
+                                                    for s in range(W)]))
+    raycoll.barrier()
+    # point to point: a ring, then any-source and tags towards rank 0, in order
+    nxt, prv = (me + 1) % W, (me - 1) % W
+    got = np.zeros(n)
+    works = raycoll.batch_isend_irecv([raycoll.P2POp(raycoll.isend, mine(me, salt=9), nxt),
+                                       raycoll.P2POp(raycoll.irecv, got, prv)])
+    for w in works:
+        w.wait()
+    check("ring", got, mine(prv, salt=9))
+    if me == 0:
+        seen = set()
+        for _ in range(W - 1):
+            buf = np.zeros((3, 2))
+            src = raycoll.recv(buf, tag=7)
+            seen.add(src)
+            check(f"recv any from {src}", buf, np.full((3, 2), float(src)))
+        if seen != set(range(1, W)):
+            bad.append(f"any-source saw {sorted(seen)}")
+        for k in range(3):  # messages from one rank with one tag keep their order
+            buf = np.zeros(n)
+            raycoll.recv(buf, src=W - 1, tag=8)
+            check(f"ordered {k}", buf, mine(W - 1, salt=20 + k))
+    else:
+        raycoll.send(np.full((3, 2), float(me)), dst=0, tag=7)
+        if me == W - 1:
+            strided = np.zeros((n, 3))
+            for k in range(3):
+                strided[:, 1] = mine(me, salt=20 + k)
+                raycoll.send(strided[:, 1], dst=0, tag=8)  # non-contiguous
+    return bad, world().default.context.transport_name

@@ -250,7 +250,9 @@ class GroupContext:
     def _p2p_explain(self) -> Optional[BaseException]:
         """The coordinator's error once it has one (a dead rank reaches it within
         milliseconds), or ``None`` after a short grace."""
-        deadline = time.monotonic() + 2.0
+        from raycoll.transport.tcp import CLOSED_GRACE_S
+
+        deadline = time.monotonic() + CLOSED_GRACE_S
         while True:
             try:
                 self._p2p_check((), 0.0)

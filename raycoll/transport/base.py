@@ -123,6 +123,8 @@ class RoundTransport:
         self.yield_s = 0.0
         self.poll_min_s = 20e-6
         self.poll_max_s = 500e-6
+        #: How long a transport error waits for the coordinator to explain it.
+        self.failure_grace_s = FAILURE_GRACE_S
 
     # ------------------------------------------------------------------ hooks
     def _write(self, message: Message, spin: bool) -> bool:
@@ -258,8 +260,8 @@ class RoundTransport:
     def _explained(self, call: "Call") -> Optional[BaseException]:
         """The coordinator's error for ``call`` once it has one (it learns of a rejection, a
         dead rank or a failed round a moment after this rank sees the sign), or ``None`` if it
-        has none within ``FAILURE_GRACE_S``."""
-        deadline = time.monotonic() + FAILURE_GRACE_S
+        has none within ``failure_grace_s``."""
+        deadline = time.monotonic() + self.failure_grace_s
         while True:
             try:
                 self.check(call)
@@ -281,12 +283,16 @@ class RoundTransport:
             explained = self._explained(call)
             if explained is not None:
                 raise explained from exc
-            err = errors.GroupBrokenError(
-                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: the {self.name} "
-                f"failed on rank {self.ctx.global_ranks[self.ctx.rank]} "
-                f"({type(exc).__name__}: {exc}); the group is broken", **self.ctx.ctx(call))
+            err = self._unexplained(call, exc)
             self.ctx.fail(err)
             raise err from exc
+
+    def _unexplained(self, call: "Call", exc: BaseException) -> errors.RaycollError:
+        """The error for a transport failure the coordinator could not explain."""
+        return errors.GroupBrokenError(
+            f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: the {self.name} "
+            f"failed on rank {self.ctx.global_ranks[self.ctx.rank]} "
+            f"({type(exc).__name__}: {exc}); the group is broken", **self.ctx.ctx(call))
 
     # ------------------------------------------------------------------ progress reports
     def report(self, force: bool = False) -> None:

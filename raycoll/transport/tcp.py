@@ -82,7 +82,19 @@ class FrameError(ConnectionError):
 
 
 class PeerClosed(ConnectionError):
-    """The peer's end of a connection closed."""
+    """The peer's end of a connection closed without a goodbye: its process is gone."""
+
+
+class PeerLeft(ConnectionError):
+    """The peer closed the connection saying goodbye: it destroyed its group."""
+
+
+#: The frame a rank sends on each of its connections when it closes them in good order.
+_BYE = "bye"
+#: A closed connection waits this long for the coordinator to explain it before its peer
+#: is declared dead (a process's death reaches the coordinator within milliseconds; a
+#: whole node's only when Ray's health check declares it dead).
+CLOSED_GRACE_S = 1.0
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -468,17 +480,38 @@ class Links:
     def sockets(self) -> int:
         return len(self._out) + len(self._in)
 
-    def close(self) -> None:
+    def closed_peers(self) -> List[int]:
+        """Group ranks whose incoming connections are closed (their processes are gone)."""
+        gone = set()
+        for (src, _purpose), sock in list(self._in.items()):
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    gone.add(src)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                gone.add(src)
+        return sorted(gone)
+
+    def close(self, goodbye: bool = True) -> None:
+        """Close every connection (``goodbye``: first tell the peers, who may still read)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            socks = [o.sock for o in self._out.values()] + list(self._in.values())
+            outs = list(self._out.values())
+            socks = [o.sock for o in outs] + list(self._in.values())
             self._out.clear()
             self._in.clear()
             self._lock.notify_all()
         if self._listener is not None:
             self._listener.unregister(self)
+        bye = encode(_BYE) if goodbye else []
+        for out in outs if goodbye else ():
+            try:  # best effort: a peer still reading learns we left, not died
+                _Writer(list(bye)).push(out.sock)
+            except OSError:
+                pass
         for sock in socks:
             try:
                 sock.close()
@@ -486,6 +519,29 @@ class Links:
                 pass
         self._wake_r.close()
         self._wake_w.close()
+
+
+def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Optional[int],
+                 exc: BaseException, **ctx: Any) -> errors.RaycollError:
+    """The error for connection failure ``exc`` (reading from group rank ``src``) that the
+    coordinator could not explain: peers whose connections closed without a goodbye are
+    dead (``RankFailedError`` naming them); anything else breaks the group."""
+    me = global_ranks[links.rank]
+    if isinstance(exc, (PeerClosed, ConnectionResetError, BrokenPipeError)):
+        gone = sorted(set(links.closed_peers()) | ({src} if src is not None else set()))
+        who = [global_ranks[g] for g in gone]
+        names = " and ".join(f"rank {g}" for g in who)
+        return errors.RankFailedError(
+            f"{where}: {names} closed {'its' if len(who) == 1 else 'their'} connections to "
+            f"rank {me} without a goodbye: {'its process' if len(who) == 1 else 'their processes'}"
+            " died; the group is broken", failed_ranks=who, **ctx)
+    if isinstance(exc, PeerLeft) and src is not None:
+        return errors.GroupBrokenError(
+            f"{where}: rank {global_ranks[src]} left the group (destroyed it) while rank {me} "
+            "still needed it; the group is broken", **ctx)
+    return errors.GroupBrokenError(
+        f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
+        "the group is broken", **ctx)
 
 
 def send_all(links: Links, out: _Out, writer: _Writer, deadline: float,
@@ -518,7 +574,10 @@ class TcpTransport(RoundTransport):
         self._readers = {s: _Reader() for s in self._peers}
         self._scratch = {s: _Scratch() for s in self._peers}
         self._outs: Dict[int, _Out] = {}
+        self._reading: Optional[int] = None  # the peer read last (whose failure is named)
+        self._left: Optional[int] = None
         self.poll_min_s, self.poll_max_s = 0.002, 0.05
+        self.failure_grace_s = CLOSED_GRACE_S
 
     def _out(self, dst: int) -> _Out:
         out = self._outs.get(dst)
@@ -544,12 +603,22 @@ class TcpTransport(RoundTransport):
         sock = self.links.incoming(s, "coll")
         if sock is None:
             return None
+        self._reading = s
         got = self._readers[s].pull(sock, self._scratch[s].place)
         if got is None:
             return None
         meta, bufs = got
-        kind, key, fp, payload = pickle.loads(meta, buffers=bufs)
+        message = pickle.loads(meta, buffers=bufs)
+        if message == _BYE:
+            self._left = s
+            raise PeerLeft(f"rank {self.ctx.global_ranks[s]} closed the connection")
+        kind, key, fp, payload = message
         return kind, self.epoch, tuple(key), fp, payload
+
+    def _unexplained(self, call: Any, exc: BaseException) -> errors.RaycollError:
+        return peer_failure(self.links, self.ctx.global_ranks,
+                            f"{call.op} #{call.seq} on group {self.ctx.group_name!r}",
+                            self._reading, exc, **self.ctx.ctx(call))
 
     def _idle(self, seconds: float, pending: Sequence[int]) -> None:
         read = [sock for s in pending if (sock := self.links.incoming(s, "coll")) is not None]
@@ -562,7 +631,7 @@ class TcpTransport(RoundTransport):
             _Writer(encode((kind, key, fp, payload))).push(self._out(j).sock)
 
     def _shut(self) -> None:
-        self.links.close()
+        self.links.close(goodbye=False)  # broken: peers must fail, not think we left
 
 
 # ---------------------------------------------------------------------------- point to point
@@ -581,7 +650,7 @@ class _Posted:
 
 def _fmt_meta(meta: Any) -> str:
     dtype, shape = meta
-    return f"{dtype} {list(shape)}"
+    return f"dtype={dtype}, shape={tuple(shape)}"
 
 
 class Mailbox:
@@ -648,9 +717,8 @@ class Mailbox:
             self._break_out(out, dst, exc)
             raise
         except OSError as exc:
-            error = self._explain() or errors.GroupBrokenError(
-                f"{what}: the connection failed ({type(exc).__name__}: {exc})",
-                group=self.group, op="send")
+            error = self._explain() or peer_failure(
+                self.links, self.global_ranks, what, dst, exc, group=self.group, op="send")
             self._break_out(out, dst, error)
             raise error from exc
         with out.turn:
@@ -746,9 +814,10 @@ class Mailbox:
         srcs = ([posted.src] if posted.src is not None
                 else [j for j in range(self.links.size) if j != self.links.rank])
         socks = {}
-        for s in srcs:
-            if s in self._failed:
-                raise self._failed[s]
+        live = [s for s in srcs if s not in self._failed]
+        if not live:  # every rank this receive can come from failed or left
+            raise self._failed[srcs[0]]
+        for s in live:
             sock = self.links.incoming(s, "p2p")
             if sock is not None:
                 socks[s] = sock
@@ -761,17 +830,25 @@ class Mailbox:
                     if got is None:
                         break
                     self._arrived(s, got)
+            except PeerLeft as exc:  # fails only the receives that wait for it
+                self._failed[s] = peer_failure(
+                    self.links, self.global_ranks, f"recv on group {self.group!r}", s, exc,
+                    group=self.group, op="recv")
+                if not posted.done and posted.src == s:
+                    raise self._failed[s] from exc
             except (OSError, FrameError) as exc:
-                error = self._explain() or errors.GroupBrokenError(
-                    f"recv on group {self.group!r}: the connection from rank "
-                    f"{self.global_ranks[s]} failed ({type(exc).__name__}: {exc})",
+                error = self._explain() or peer_failure(
+                    self.links, self.global_ranks, f"recv on group {self.group!r}", s, exc,
                     group=self.group, op="recv")
                 self._failed[s] = error
                 raise error from exc
 
     def _place(self, src: int, meta_bytes: bytes, lens: List[int]) -> List[memoryview]:
         """Where a message's data goes: a matching receive's array, or a new buffer."""
-        tag, meta = pickle.loads(meta_bytes)
+        message = pickle.loads(meta_bytes)
+        if message == _BYE:
+            raise PeerLeft(f"rank {self.global_ranks[src]} closed the connection")
+        tag, meta = message
         with self._cv:
             for p in self._posted:
                 if not p.claimed and (p.src is None or p.src == src) and p.tag == tag:
