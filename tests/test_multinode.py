@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import ray
 
+from helpers import every_op
+
 import raycoll
 from raycoll.launch import RankWorker, run_on
 
@@ -52,3 +54,58 @@ def test_collectives_across_two_nodes(two_nodes):
         assert got["bcast"] == 3.0
         assert got["rs"] == 6.0
         assert got["a2a"] == [float(10 * s + rank) for s in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_and_p2p_across_two_nodes_over_direct_connections(two_nodes):
+    """Four ranks, two per node: the group runs on direct connections (transport "tcp"),
+    every collective and point-to-point call right against numpy, small and streamed."""
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{r // 2}": 1}).remote() for r in range(4)]
+    try:
+        for n in (7, 300_000):
+            results = run_on(actors, every_op, (4, n), group_name=f"every-{n}", timeout=120)
+            for rank, (bad, transport) in enumerate(results):
+                assert transport == "tcp", (rank, transport)
+                assert bad == [], (rank, n, bad)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _stream_until_failure(rank, seconds):
+    import time as _time
+
+    x = np.ones(4_000_000)  # 32 MB: every all_reduce streams in many rounds
+    start = _time.time()
+    try:
+        while _time.time() - start < seconds:
+            raycoll.all_reduce(x)
+            x[:] = 1.0
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "msg": str(exc), "t": _time.time(),
+                "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+    return {"type": None}
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(two_nodes):
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{r % 2}": 1}).remote() for r in range(3)]
+    raycoll.create_group(actors, group_name="kill-mid-stream", timeout=120)
+    try:
+        refs = [a.run.remote(_stream_until_failure, r, (60.0,), {}) for r, a in enumerate(actors)]
+        import time as _time
+
+        _time.sleep(3.0)  # well inside the streaming loop
+        killed_at = _time.time()
+        ray.kill(actors[1], no_restart=True)
+        for res in ray.get([refs[0], refs[2]], timeout=120):
+            assert res["type"] == "RankFailedError", res
+            assert res["failed_ranks"] == [1], res
+            assert "rank 1" in res["msg"], res
+            assert res["t"] - killed_at < 5.0, (res["t"] - killed_at, res["msg"])
+    finally:
+        raycoll.destroy_group("kill-mid-stream")
+        for a in actors:
+            ray.kill(a)

@@ -86,11 +86,19 @@ class PeerClosed(ConnectionError):
 
 
 class PeerLeft(ConnectionError):
-    """The peer closed the connection saying goodbye: it destroyed its group."""
+    """The peer closed the connection saying why: it destroyed its group (``"bye"``) or
+    found it broken (``"abort"``)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
-#: The frame a rank sends on each of its connections when it closes them in good order.
+#: The frames a rank sends on each of its connections when it closes them: in good order,
+#: or because it found the group broken. A connection closed with neither: its process died.
 _BYE = "bye"
+_ABORT = "abort"
+_GOODBYES = (_BYE, _ABORT)
 #: A closed connection waits this long for the coordinator to explain it before its peer
 #: is declared dead (a process's death reaches the coordinator within milliseconds; a
 #: whole node's only when Ray's health check declares it dead).
@@ -493,8 +501,9 @@ class Links:
                 gone.add(src)
         return sorted(gone)
 
-    def close(self, goodbye: bool = True) -> None:
-        """Close every connection (``goodbye``: first tell the peers, who may still read)."""
+    def close(self, goodbye: str = _BYE) -> None:
+        """Close every connection, first telling the peers why (``"bye"``: the group was
+        destroyed here; ``"abort"``: it is broken)."""
         with self._lock:
             if self._closed:
                 return
@@ -506,10 +515,9 @@ class Links:
             self._lock.notify_all()
         if self._listener is not None:
             self._listener.unregister(self)
-        bye = encode(_BYE) if goodbye else []
-        for out in outs if goodbye else ():
+        for out in outs:
             try:  # best effort: a peer still reading learns we left, not died
-                _Writer(list(bye)).push(out.sock)
+                _Writer(encode(goodbye)).push(out.sock)
             except OSError:
                 pass
         for sock in socks:
@@ -536,9 +544,11 @@ def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Opt
             f"rank {me} without a goodbye: {'its process' if len(who) == 1 else 'their processes'}"
             " died; the group is broken", failed_ranks=who, **ctx)
     if isinstance(exc, PeerLeft) and src is not None:
+        did = ("left the group (destroyed it)" if exc.why == _BYE
+               else "found the group broken and closed its connections")
         return errors.GroupBrokenError(
-            f"{where}: rank {global_ranks[src]} left the group (destroyed it) while rank {me} "
-            "still needed it; the group is broken", **ctx)
+            f"{where}: rank {global_ranks[src]} {did} while rank {me} still needed it; the "
+            "group is broken", **ctx)
     return errors.GroupBrokenError(
         f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
         "the group is broken", **ctx)
@@ -575,7 +585,6 @@ class TcpTransport(RoundTransport):
         self._scratch = {s: _Scratch() for s in self._peers}
         self._outs: Dict[int, _Out] = {}
         self._reading: Optional[int] = None  # the peer read last (whose failure is named)
-        self._left: Optional[int] = None
         self.poll_min_s, self.poll_max_s = 0.002, 0.05
         self.failure_grace_s = CLOSED_GRACE_S
 
@@ -609,9 +618,8 @@ class TcpTransport(RoundTransport):
             return None
         meta, bufs = got
         message = pickle.loads(meta, buffers=bufs)
-        if message == _BYE:
-            self._left = s
-            raise PeerLeft(f"rank {self.ctx.global_ranks[s]} closed the connection")
+        if message in _GOODBYES:
+            raise PeerLeft(f"rank {self.ctx.global_ranks[s]} closed the connection", message)
         kind, key, fp, payload = message
         return kind, self.epoch, tuple(key), fp, payload
 
@@ -631,7 +639,7 @@ class TcpTransport(RoundTransport):
             _Writer(encode((kind, key, fp, payload))).push(self._out(j).sock)
 
     def _shut(self) -> None:
-        self.links.close(goodbye=False)  # broken: peers must fail, not think we left
+        self.links.close(_ABORT)  # broken: the peers must fail too
 
 
 # ---------------------------------------------------------------------------- point to point
@@ -846,8 +854,8 @@ class Mailbox:
     def _place(self, src: int, meta_bytes: bytes, lens: List[int]) -> List[memoryview]:
         """Where a message's data goes: a matching receive's array, or a new buffer."""
         message = pickle.loads(meta_bytes)
-        if message == _BYE:
-            raise PeerLeft(f"rank {self.global_ranks[src]} closed the connection")
+        if message in _GOODBYES:
+            raise PeerLeft(f"rank {self.global_ranks[src]} closed the connection", message)
         tag, meta = message
         with self._cv:
             for p in self._posted:
