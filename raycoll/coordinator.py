@@ -135,7 +135,8 @@ class Coordinator:
         # for the Join context in progress; and how the last finished one ended.
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
-        self._lane_groups: set = set()  # groups whose ranks reported lane progress
+        # groups whose ranks reported progress on a round transport, and its name
+        self._lane_groups: Dict[str, str] = {}
 
     # ------------------------------------------------------------------ rendezvous
     async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
@@ -338,7 +339,8 @@ class Coordinator:
             if key in self._broken:
                 out[key]["broken"] = self._broken[key][2]
             if key in self._lane_groups:
-                out[key]["lane"] = True
+                out[key]["transport"] = self._lane_groups[key]
+                out[key]["lane"] = self._lane_groups[key] == "lane"
             self._join_status(key, out[key])
         return _ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})
@@ -400,17 +402,18 @@ class Coordinator:
         return error
 
     def lane_progress(self, key: str, ranks: Tuple[int, ...],
-                      progress: Dict[int, Tuple[str, int]]) -> Result:
+                      progress: Dict[int, Tuple[str, int]], transport: str = "lane") -> Result:
         """What a rank knows of its lane collectives: ``progress[r]`` is the last collective
         group rank ``r`` completed (for group_status; sent now and then, and before
         group_status is asked from inside a rank)."""
         self._groups[key] = tuple(ranks)
         self._note_progress(key, None, 0, "", progress)
+        self._lane_groups[key] = transport
         return _ok()
 
     def _note_progress(self, key: str, rank: Optional[int], seq: int, op: str,
                        progress: Dict[int, Tuple[str, int]]) -> None:
-        self._lane_groups.add(key)
+        self._lane_groups.setdefault(key, "lane")
         if rank is not None:
             self._current[key][rank] = (op, seq)
         last = self._last[key]

@@ -195,18 +195,30 @@ class GroupContext:
         group uses: the shared-memory lane (all ranks on this node; set up by one exchange of
         the ranks' channels as step 0 of ``call``), direct connections (ranks on several
         nodes, or ``transport="tcp"``), or none."""
-        from raycoll.transport import lane as _lane_mod
-
-        if self.transport in ("auto", "lane") and _lane_mod.lane_possible(self):
+        planned = self.planned_transport()
+        if planned == "lane":
             return self._set_up_lane(call)
-        if self._links is not None and (self.transport == "tcp" or (
-                self.transport == "auto" and not self.single_node)):
+        if planned == "tcp":
             from raycoll.transport.tcp import TcpTransport
 
             self._plane = TcpTransport(self, self._links)
             return self._plane
         self._plane = False
         return False
+
+    def planned_transport(self) -> str:
+        """The round transport this group will use (``"lane"``, ``"tcp"`` or ``"store"``),
+        decided alike on every rank from what they all know: the option ``transport``, the
+        ranks' nodes and addresses. (The lane may still turn out unavailable when it is set
+        up: then every rank goes to the store together.)"""
+        from raycoll.transport import lane as _lane_mod
+
+        if self.transport in ("auto", "lane") and _lane_mod.lane_possible(self):
+            return "lane"
+        if self._links is not None and (self.transport == "tcp" or (
+                self.transport == "auto" and not self.single_node)):
+            return "tcp"
+        return "store"
 
     def _set_up_lane(self, call: Call) -> Any:
         from raycoll.transport import lane as _lane_mod
@@ -270,7 +282,7 @@ class GroupContext:
             return "undecided"
         if self._plane is False:
             return "store"
-        return "lane" if self._plane.name == "shared-memory lane" else "tcp"
+        return str(self._plane.kind)
 
     def lane_reject(self, call: Call, message: str) -> None:
         """This rank rejected its arguments for ``call``: tell the transport's readers now."""

@@ -4,7 +4,8 @@ Every collective is one or two *steps*; a step is one round trip to the coordina
 (:meth:`GroupContext.exchange`), which matches the ranks' arrivals and routes what each rank
 sends to each other rank. What travels depends on the size and the topology:
 
-- **the shared-memory lane** (:mod:`raycoll.transport.lane`), whenever all ranks are actors
+- **a round transport** (:mod:`raycoll.transport`): the shared-memory lane
+  (:mod:`raycoll.transport.lane`) whenever all ranks are actors
   on one node (at most ``lane_max_ranks`` of them): each rank owns a Ray shared-memory
   channel, writes its part there and reads its peers' parts: no coordinator call at all. A
   collective whose every rank's message fits one *round* (``round_bytes``: 1 MiB per
@@ -17,8 +18,12 @@ sends to each other rank. What travels depends on the size and the topology:
   broadcast, all_gather(_into_tensor), gather, scatter,
   reduce_scatter(_tensor), barrier and all_to_all(_single) (there the ranks' parts may differ
   in size: in round 0 each sends its pieces if they fit and everyone's sizes, and every rank
-  derives the same schedule from them). The object collectives and point-to-point stay on
-  the coordinator, and so does everything when ``lane=False``;
+  derives the same schedule from them). The same rounds run over **direct connections**
+  (:mod:`raycoll.transport.tcp`) when the ranks span several nodes (``transport="tcp"``
+  forces it), in larger rounds (``TCP_ROUND_BYTES``, ``TCP_STREAM_BYTES``), each rank
+  sending each peer only its part (:class:`~raycoll.transport.base.PerPeer`). Point-to-point
+  goes over direct connections; the object collectives stay on the coordinator, and so does
+  everything with ``transport="store"`` (or ``lane=False``);
 - **inline**: otherwise, when everything a rank sends in a step is at most ``inline_bytes``,
   the arrays ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced
   by the coordinator: one round trip, no object store at all);
@@ -120,6 +125,10 @@ SEGMENT_BYTES = 8 << 20
 #: store).
 STREAM_BYTES = 1 << 20
 
+#: The defaults of ``lane_bytes`` and ``stream_bytes`` for groups on direct connections.
+TCP_ROUND_BYTES = 16 << 20
+TCP_STREAM_BYTES = 4 << 20
+
 _ALGOS = ("inline", "direct", "rs_ag")
 
 
@@ -200,9 +209,13 @@ class ObjstoreBackend(CollectiveBackend):
                 raise ValueError(f"group option {key}: expected an int >= {least}, got "
                                  f"{value!r} (group {ctx.group_name!r})")
         self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
-        self.lane_bytes = lane_bytes(opts)
+        # Over direct connections rounds are not bounded by a channel or the caches but by
+        # the cost of each round trip: larger rounds (measured, BENCHMARKS.md).
+        tcp = ctx.planned_transport() == "tcp"
+        self.lane_bytes = int(opts.get("lane_bytes", TCP_ROUND_BYTES if tcp else LANE_BYTES))
         self.stream = bool(opts.get("stream", True)) and self.lane_bytes > 0
-        self.stream_bytes = int(opts.get("stream_bytes", STREAM_BYTES))
+        self.stream_bytes = int(opts.get("stream_bytes", TCP_STREAM_BYTES if tcp
+                                         else STREAM_BYTES))
         # The most a rank sends in one lane round. Ranks that fit the node's cores wait for
         # each other spinning, so rounds are cheap, and rounds of at most ``stream_bytes`` per
         # destination keep their data in the caches between the writer's copy and the

@@ -96,8 +96,9 @@ def report_period_s() -> float:
 class RoundTransport:
     """One group's round transport on this rank (see the module docstring)."""
 
-    #: What the transport is called in errors and ``group_status``.
+    #: What the transport is called in errors, and its short name (``group_status``).
     name = "transport"
+    kind = "?"
 
     def __init__(self, ctx: "GroupContext", epoch: str, peers: Sequence[int]) -> None:
         self.ctx = ctx
@@ -315,7 +316,7 @@ class RoundTransport:
             progress = self._progress()
         try:
             self.ctx.client.submit("lane_progress", self.ctx.group_name, self.ctx.global_ranks,
-                                   progress)
+                                   progress, self.kind)
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 

@@ -60,8 +60,9 @@ with 8 and 16 ranks on 2 cores).
 The lane is set up by the group's first collective that can use it, inside that collective:
 the ranks exchange their channels through the coordinator (one extra round trip, once per
 group) and all switch to the lane together, or all stay off it if any rank could not open its
-channel. Group option ``lane=False`` keeps every collective on the coordinator; the object
-collectives and point-to-point always use it.
+channel. Group option ``transport="store"`` (or ``lane=False``) keeps every collective on
+the coordinator; the object collectives always use it, and point-to-point goes over direct
+connections (raycoll.transport.tcp).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ class LaneTransport(RoundTransport):
     """One group's lane on this rank: its own channel and its peers' (by group rank)."""
 
     name = "shared-memory lane"
+    kind = "lane"
 
     def __init__(self, ctx: "GroupContext", out: Any, peers: Dict[int, Any], epoch: str) -> None:
         super().__init__(ctx, epoch, list(peers))

@@ -21,7 +21,7 @@ benchmarks/BENCHMARKS.md).
   ``"p2p"`` connections carry point-to-point messages (:class:`Mailbox`). TCP_NODELAY on
   all; non-blocking, waited on with ``select``.
 - **Frames.** ``header (magic, meta length, buffer count) | meta | buffer lengths |
-  buffers``. The meta is a pickle (protocol 5) whose arrays travel out of band: a sender
+  buffers``. The meta is a small pickle whose arrays travel as raw buffers: a sender
   hands the kernel its arrays' memory (``sendmsg``, no copy), a receiver reads them straight
   into their destination (``recv_into``): for rounds a per-peer buffer the algorithm reads
   in place, for a matched ``recv`` the user's array itself. A garbled frame (bad magic,
@@ -234,14 +234,46 @@ def tcp_possible(ctx: "GroupContext") -> bool:
 
 
 # ---------------------------------------------------------------------------- frames
-def encode(obj: Any) -> List[memoryview]:
-    """``obj`` as frame pieces: header, meta, lengths, then its arrays' memory (not copied)."""
-    buffers: List[pickle.PickleBuffer] = []
-    meta = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
+#: Marks an array taken out of a round's payload: ``(_ARR, buffer index, dtype, shape)``.
+#: Pickling a numpy array costs ~8x a small tuple; rounds carry arrays at this level only.
+_ARR = "\0raycoll-array"
+
+
+def _pull_arrays(obj: Any, raws: List[memoryview], depth: int = 0) -> Any:
+    """``obj`` with its arrays (up to three levels of tuples and lists) replaced by markers,
+    their memory appended to ``raws``."""
+    if isinstance(obj, np.ndarray) and obj.dtype.hasobject is False:
+        arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+        raws.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""))
+        return (_ARR, len(raws) - 1, arr.dtype.str, arr.shape)
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        items = [_pull_arrays(v, raws, depth + 1) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else type(obj)(items)
+    return obj
+
+
+def _put_arrays(obj: Any, bufs: Sequence[Any], depth: int = 0) -> Any:
+    """The inverse of :func:`_pull_arrays`: arrays viewing ``bufs`` (no copy)."""
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARR:
+        _, i, dtype, shape = obj
+        return np.frombuffer(bufs[i], dtype=np.dtype(dtype)).reshape(shape)
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        items = [_put_arrays(v, bufs, depth + 1) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else type(obj)(items)
+    return obj
+
+
+def encode_round(obj: Any) -> List[memoryview]:
+    """A round's message as frame pieces: its arrays travel as raw buffers (not copied)."""
+    raws: List[memoryview] = []
+    meta = pickle.dumps(_pull_arrays(obj, raws), protocol=5)
     head = _HDR.pack(_FRAME_MAGIC, len(meta), len(raws))
     lens = b"".join(_LEN.pack(r.nbytes) for r in raws)
     return [memoryview(head), memoryview(meta), memoryview(lens)] + raws
+
+
+def decode_round(meta: bytes, bufs: Sequence[Any]) -> Any:
+    return _put_arrays(pickle.loads(meta), bufs)
 
 
 def encode_raw(meta: Any, data: memoryview) -> List[memoryview]:
@@ -281,77 +313,101 @@ Placer = Callable[[bytes, List[int]], List[memoryview]]
 
 
 class _Reader:
-    """A frame being read from a non-blocking socket, straight into its destination."""
+    """Frames read from a non-blocking socket: headers through a staging buffer (one
+    ``recv`` takes a small frame whole, and the start of the next), large buffers straight
+    into their destination."""
+
+    STAGE = 256 * 1024
 
     def __init__(self) -> None:
-        self._head = bytearray(_HDR.size)
-        self.reset()
+        self._stage = bytearray(self.STAGE)
+        self._view = memoryview(self._stage)
+        self._lo = self._hi = 0  # staged bytes not yet consumed
+        self._reset()
 
-    def reset(self) -> None:
-        self._stage = 0
-        self._view = memoryview(self._head)
-        self._got = 0
+    def _reset(self) -> None:
+        self._step = 0
         self._meta = b""
         self._lens: List[int] = []
         self._bufs: List[memoryview] = []
         self._i = 0
+        self._got = 0
 
     @property
     def busy(self) -> bool:
         """Whether a frame is partly read."""
-        return self._stage > 0 or self._got > 0
+        return self._step > 0 or self._hi > self._lo
 
-    def _fill(self, sock: socket.socket) -> bool:
-        while self._got < self._view.nbytes:
-            try:
-                k = sock.recv_into(self._view[self._got:])
-            except (BlockingIOError, InterruptedError):
-                return False
-            if k == 0:
-                raise PeerClosed("the peer closed the connection"
-                                 + (" in the middle of a message" if self.busy else ""))
-            self._got += k
-        return True
+    def _recv(self, sock: socket.socket, into: memoryview) -> int:
+        try:
+            k = sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return -1
+        if k == 0:
+            raise PeerClosed("the peer closed the connection"
+                             + (" in the middle of a message" if self.busy else ""))
+        return k
+
+    def _staged(self, sock: socket.socket, n: int) -> Optional[memoryview]:
+        """``n`` staged bytes (consumed), reading more if needed; ``None`` if not there yet."""
+        while self._hi - self._lo < n:
+            if len(self._stage) - self._lo < n:  # compact, or grow for a large header
+                rest = bytes(self._view[self._lo:self._hi])
+                if len(self._stage) < n:
+                    self._stage = bytearray(max(n, 2 * len(self._stage)))
+                    self._view = memoryview(self._stage)
+                self._view[:len(rest)] = rest
+                self._lo, self._hi = 0, len(rest)
+            k = self._recv(sock, self._view[self._hi:])
+            if k < 0:
+                return None
+            self._hi += k
+        out = self._view[self._lo:self._lo + n]
+        self._lo += n
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        return out
 
     def pull(self, sock: socket.socket, place: Placer) -> Optional[Tuple[bytes, List[Any]]]:
-        """Read what has come; ``(meta, buffers)`` once the frame is complete."""
-        while True:
-            if not self._fill(sock):
+        """Read what has come; ``(meta, buffers)`` once a frame is complete."""
+        if self._step == 0:
+            head = self._staged(sock, _HDR.size)
+            if head is None:
                 return None
-            if self._stage == 0:
-                magic, meta_len, nbufs = _HDR.unpack(self._head)
-                if magic != _FRAME_MAGIC or meta_len > _MAX_META or nbufs > _MAX_BUFS:
-                    raise FrameError(f"garbled frame (magic {magic:#x}, meta {meta_len} B, "
-                                     f"{nbufs} buffers)")
-                self._stage, self._nbufs = 1, nbufs
-                self._view, self._got = memoryview(bytearray(meta_len + _LEN.size * nbufs)), 0
-            elif self._stage == 1:
-                raw = self._view.obj
-                n = len(raw) - _LEN.size * self._nbufs
-                self._meta = bytes(raw[:n])
-                self._lens = [_LEN.unpack_from(raw, n + _LEN.size * i)[0]
-                              for i in range(self._nbufs)]
-                self._bufs = place(self._meta, self._lens)
-                if [b.nbytes for b in self._bufs] != self._lens:
-                    raise FrameError("a frame's buffers do not match their lengths")
-                self._stage, self._i = 2, 0
-                if not self._next_buf():
-                    return self._done()
-            elif not self._next_buf():
-                return self._done()
-
-    def _next_buf(self) -> bool:
+            magic, meta_len, nbufs = _HDR.unpack(head)
+            if magic != _FRAME_MAGIC or meta_len > _MAX_META or nbufs > _MAX_BUFS:
+                raise FrameError(f"garbled frame (magic {magic:#x}, meta {meta_len} B, "
+                                 f"{nbufs} buffers)")
+            self._step, self._need = 1, (meta_len, nbufs)
+        if self._step == 1:
+            meta_len, nbufs = self._need
+            raw = self._staged(sock, meta_len + _LEN.size * nbufs)
+            if raw is None:
+                return None
+            self._meta = bytes(raw[:meta_len])
+            self._lens = [_LEN.unpack_from(raw, meta_len + _LEN.size * i)[0]
+                          for i in range(nbufs)]
+            self._bufs = place(self._meta, self._lens)
+            if [b.nbytes for b in self._bufs] != self._lens:
+                raise FrameError("a frame's buffers do not match their lengths")
+            self._step, self._i, self._got = 2, 0, 0
         while self._i < len(self._bufs):
             buf = self._bufs[self._i]
-            self._i += 1
-            if buf.nbytes:
-                self._view, self._got = buf, 0
-                return True
-        return False
-
-    def _done(self) -> Tuple[bytes, List[Any]]:
+            if self._got == 0 and self._hi > self._lo:  # staged bytes first
+                k = min(buf.nbytes, self._hi - self._lo)
+                buf[:k] = self._view[self._lo:self._lo + k]
+                self._lo += k
+                if self._lo == self._hi:
+                    self._lo = self._hi = 0
+                self._got = k
+            while self._got < buf.nbytes:
+                k = self._recv(sock, buf[self._got:])
+                if k < 0:
+                    return None
+                self._got += k
+            self._i, self._got = self._i + 1, 0
         out = (self._meta, self._bufs)
-        self.reset()
+        self._reset()
         return out
 
 
@@ -517,7 +573,7 @@ class Links:
             self._listener.unregister(self)
         for out in outs:
             try:  # best effort: a peer still reading learns we left, not died
-                _Writer(encode(goodbye)).push(out.sock)
+                _Writer(encode_round(goodbye)).push(out.sock)
             except OSError:
                 pass
         for sock in socks:
@@ -575,6 +631,7 @@ class TcpTransport(RoundTransport):
     projection of its payload each round, and reads each peer's)."""
 
     name = "direct connection"
+    kind = "tcp"
 
     def __init__(self, ctx: "GroupContext", links: Links) -> None:
         super().__init__(ctx, "tcp", [j for j in range(ctx.size) if j != ctx.rank])
@@ -598,7 +655,7 @@ class TcpTransport(RoundTransport):
         if self._message is not message:
             kind, _epoch, key, fp, payload = message
             self._message = message
-            self._writers = {j: _Writer(encode((kind, key, fp, project(payload, j))))
+            self._writers = {j: _Writer(encode_round((kind, key, fp, project(payload, j))))
                              for j in self._peers}
         for j, writer in list(self._writers.items()):
             if writer.push(self._out(j).sock):
@@ -617,7 +674,7 @@ class TcpTransport(RoundTransport):
         if got is None:
             return None
         meta, bufs = got
-        message = pickle.loads(meta, buffers=bufs)
+        message = decode_round(meta, bufs)
         if message in _GOODBYES:
             raise PeerLeft(f"rank {self.ctx.global_ranks[s]} closed the connection", message)
         kind, key, fp, payload = message
@@ -636,7 +693,7 @@ class TcpTransport(RoundTransport):
     def _write_reject(self, message: Message) -> None:
         kind, _epoch, key, fp, payload = message
         for j in self._peers:
-            _Writer(encode((kind, key, fp, payload))).push(self._out(j).sock)
+            _Writer(encode_round((kind, key, fp, payload))).push(self._out(j).sock)
 
     def _shut(self) -> None:
         self.links.close(_ABORT)  # broken: the peers must fail too
