@@ -117,10 +117,16 @@ def _address_and_use(rank: int, hold_s: float) -> Any:
     return tuple(addr), float(x[0])
 
 
-def _stranger(host: str, port: int, payload: bytes) -> bytes:
-    """Connect to a rank's port, send ``payload``, return what comes back before the
-    connection is closed (nothing for a refused stranger)."""
-    with socket.create_connection((host, port), timeout=5) as s:
+def _stranger(where: Any, payload: bytes) -> bytes:
+    """Connect to a rank's port (or its Unix socket), send ``payload``, return what comes
+    back before the connection is closed (nothing for a refused stranger)."""
+    if isinstance(where, str):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(where)
+    else:
+        s = socket.create_connection(where, timeout=5)
+    with s:
         s.settimeout(15)
         try:
             s.sendall(payload)
@@ -137,14 +143,16 @@ def test_a_stranger_connecting_to_a_rank_is_closed_and_the_group_goes_on(rank_ac
     try:
         results = ray.get([a.run.remote(_address_and_use, r, (0.0,), {})
                            for r, a in enumerate(team)], timeout=60)
-        host, port = results[0][0]
-        assert host == "127.0.0.1"
-        # garbage, a hello with a wrong secret, and a hello naming the group with a wrong one
-        for payload in (b"GET / HTTP/1.0\r\n\r\n" * 4,
-                        struct.pack("!4s16sIBH", b"RCL1", b"\0" * 16, 1, 0, len(name))
-                        + name.encode() + b"\xff" * 1000,
-                        os.urandom(5000)):
-            assert _stranger(host, port, payload) == b""
+        host, port, unix = results[0][0]
+        assert host == "127.0.0.1" and unix
+        # garbage, a hello with a wrong secret, and a hello naming the group with a wrong one,
+        # to the TCP port and to the Unix socket
+        for where in ((host, port), unix):
+            for payload in (b"GET / HTTP/1.0\r\n\r\n" * 4,
+                            struct.pack("!4s16sIBH", b"RCL1", b"\0" * 16, 1, 0, len(name))
+                            + name.encode() + b"\xff" * 1000,
+                            os.urandom(5000)):
+                assert _stranger(where, payload) == b""
         assert [r[1] for r in results] == [4.0, 4.0]
         # and the group still works after the strangers
         again = ray.get([a.run.remote(_address_and_use, r, (0.0,), {})

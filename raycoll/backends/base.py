@@ -128,7 +128,8 @@ class GroupContext:
 
             if tcp.tcp_possible(self):
                 self._links = tcp.Links(key=group_name, rank=rank, size=self.size,
-                                        secret=secret, addresses=self.addresses)
+                                        secret=secret, addresses=self.addresses,
+                                        nodes=self.node_ids)
 
     @property
     def single_node(self) -> bool:
