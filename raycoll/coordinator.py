@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import secrets
 import time
@@ -358,7 +359,7 @@ class Coordinator:
                    waiting: Sequence[int] = (), waited_s: float = 0.0) -> Result:
         """A rank has waited ``waited_s`` in collective ``seq`` on the lane for group ranks
         ``waiting``: is anything wrong? (Past ``PROBE_AFTER_S`` those ranks are probed, as
-        for waits here.)
+        for waits here; ``waited_s`` infinite: they are suspected dead, probed at once.)
 
         Returns the error that ends its wait, if any: the group is broken or a rank died, a
         rank rejected its arguments for ``seq``, or ranks came to ``seq`` through the
@@ -370,7 +371,7 @@ class Coordinator:
         if waited_s >= PROBE_AFTER_S:
             now = time.monotonic()
             for r in waiting:
-                self._probe_if_due(ranks[r], now)
+                self._probe_if_due(ranks[r], now, force=waited_s == math.inf)
         failed = self._unusable(key)
         if failed is not None:
             return failed
@@ -551,11 +552,12 @@ class Coordinator:
     def p2p_check(self, key: str, waiting: Sequence[int], waited_s: float) -> Result:
         """A point-to-point wait on direct connections has lasted ``waited_s`` for global
         ranks ``waiting``: the error that ends it (a dead rank, a broken group), if any. Past
-        ``PROBE_AFTER_S`` those ranks are probed, as for waits here."""
+        ``PROBE_AFTER_S`` those ranks are probed, as for waits here (``waited_s`` infinite:
+        at once, however recently they answered)."""
         if waited_s >= PROBE_AFTER_S:
             now = time.monotonic()
             for g in waiting:
-                self._probe_if_due(g, now)
+                self._probe_if_due(g, now, force=waited_s == math.inf)
         failed = self._unusable(key)
         return failed if failed is not None else _ok()
 
@@ -850,16 +852,18 @@ class Coordinator:
                 wake = min(wake, self._probe_if_due(g, now))
             await asyncio.sleep(max(0.01, wake - time.monotonic()))
 
-    def _probe_if_due(self, g: int, now: float) -> float:
+    def _probe_if_due(self, g: int, now: float, force: bool = False) -> float:
         """Start a probe of global rank ``g`` unless one is out or it answered less than
-        ``REPROBE_S`` ago; returns when it is due again (``inf``: no need)."""
+        ``REPROBE_S`` ago (``force``: however recently; a rank suspected dead, whose
+        connections closed, is probed at once); returns when it is due again (``inf``: no
+        need)."""
         probe = self._probes.get(g)
         if g in self._dead or (probe is not None and not probe.done()):
             return float("inf")
         if (self._members.get(g) or {}).get("actor") is None:
             return float("inf")  # not an actor: only its lease watches it
         answered = self._answered.get(g)
-        if answered is not None and now - answered < REPROBE_S:
+        if answered is not None and now - answered < REPROBE_S and not force:
             return answered + REPROBE_S
         self._probes[g] = asyncio.get_running_loop().create_task(self._probe(g))
         return float("inf")

@@ -84,6 +84,36 @@ def test_a_send_send_exchange_of_small_messages_does_not_deadlock(rank_actors):
     assert _on(rank_actors, _send_send, (1000,))[:2] == [1.0, 0.0]
 
 
+def _posted_late(rank: int, n: int) -> Any:
+    """Rank 1 begins reading each big message before its receive is posted (a small one
+    right ahead of it is what it waits for), then rank 2 reads rank 0's and rank 1's big
+    messages at once, in parts that interleave."""
+    if rank == 0:
+        raycoll.send(np.ones(2), dst=1)
+        raycoll.send(np.arange(n, dtype=np.float64), dst=1, tag=3)
+    if rank == 1:
+        time.sleep(0.5)  # both messages wait in the kernel: the first read takes both starts
+        small, big = np.empty(2), np.empty(n)
+        raycoll.recv(small, src=0)
+        raycoll.recv(big, src=0, tag=3)
+        got = [small.tolist(), float(big.sum())]
+    if rank < 2:
+        raycoll.send(np.full(n, float(rank + 1)), dst=2, tag=rank)
+        return got if rank == 1 else None
+    bufs = [np.empty(n), np.empty(n)]
+    works = [raycoll.irecv(bufs[1], tag=1), raycoll.irecv(bufs[0], tag=0)]
+    sources = [w.wait(timeout=60) and w.source_rank() for w in works]
+    return sources, [float(b.min()) for b in bufs], [float(b.max()) for b in bufs]
+
+
+@pytest.mark.timeout(120)
+def test_a_message_read_before_its_receive_is_posted_reaches_that_receive(rank_actors):
+    n = 400_000  # 3.2 MB: more than the socket buffers hold
+    _, first, third = _on(rank_actors, _posted_late, (n,))
+    assert first == [[1.0, 1.0], float(n * (n - 1) // 2)]
+    assert third == ([1, 0], [1.0, 2.0], [1.0, 2.0])
+
+
 def _p2p_errors(rank: int) -> Any:
     if rank == 0:
         raycoll.send(np.zeros(4, dtype=np.float32), dst=1)

@@ -260,15 +260,17 @@ class GroupContext:
                          waited_s, timeout_s=30.0, op="p2p", group=self.group_name,
                          rank=self.global_ranks[self.rank])
 
-    def _p2p_explain(self) -> Optional[BaseException]:
-        """The coordinator's error once it has one (a dead rank reaches it within
-        milliseconds), or ``None`` after a short grace."""
+    def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:
+        """The coordinator's error once it has one, or ``None`` after a short grace; group
+        ranks ``suspects`` are probed at once (a dead actor's probe fails within
+        milliseconds)."""
+        from raycoll.transport.base import PROBE_NOW
         from raycoll.transport.tcp import CLOSED_GRACE_S
 
         deadline = time.monotonic() + CLOSED_GRACE_S
         while True:
             try:
-                self._p2p_check((), 0.0)
+                self._p2p_check(suspects, PROBE_NOW if suspects else 0.0)
             except errors.RaycollError as exc:
                 return exc
             if time.monotonic() > deadline:

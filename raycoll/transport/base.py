@@ -52,6 +52,8 @@ Message = Tuple[str, str, Tuple[int, int], Any, Any]
 #: double up to ``CHECK_MAX_S``.
 CHECK_FIRST_S = 0.1
 CHECK_MAX_S = 1.0
+#: ``waited_s`` that has the coordinator probe the ranks named at once (see ``check``).
+PROBE_NOW = float("inf")
 #: A transport error (not a timeout) waits this long for the coordinator to explain it (a
 #: rank's death reaches it within milliseconds) before it breaks the group by itself.
 FAILURE_GRACE_S = 2.0
@@ -258,14 +260,16 @@ class RoundTransport:
             f"{self.ctx.global_ranks[s]} left it out and is already at collective #{seq}: "
             "the ranks are out of step", **self.ctx.ctx(call))
 
-    def _explained(self, call: "Call") -> Optional[BaseException]:
+    def _explained(self, call: "Call", suspects: Sequence[int] = ()) -> Optional[BaseException]:
         """The coordinator's error for ``call`` once it has one (it learns of a rejection, a
         dead rank or a failed round a moment after this rank sees the sign), or ``None`` if it
-        has none within ``failure_grace_s``."""
+        has none within ``failure_grace_s``. Group ranks ``suspects`` (whose connections
+        closed, say) are probed at once: a dead actor's probe fails within milliseconds, so
+        the coordinator names the rank that died, not the survivors that closed after it."""
         deadline = time.monotonic() + self.failure_grace_s
         while True:
             try:
-                self.check(call)
+                self.check(call, suspects, PROBE_NOW if suspects else 0.0)
             except errors.RaycollError as exc:
                 return exc
             if time.monotonic() > deadline:
@@ -281,12 +285,16 @@ class RoundTransport:
         except errors.RaycollError:
             raise
         except Exception as exc:  # noqa: BLE001 - translated below
-            explained = self._explained(call)
+            explained = self._explained(call, self._suspects(exc))
             if explained is not None:
                 raise explained from exc
             err = self._unexplained(call, exc)
             self.ctx.fail(err)
             raise err from exc
+
+    def _suspects(self, exc: BaseException) -> Sequence[int]:
+        """Group ranks that transport failure ``exc`` suggests are dead."""
+        return ()
 
     def _unexplained(self, call: "Call", exc: BaseException) -> errors.RaycollError:
         """The error for a transport failure the coordinator could not explain."""

@@ -587,6 +587,13 @@ class Links:
                 gone.add(src)
         return sorted(gone)
 
+    def suspects(self, src: Optional[int], exc: BaseException) -> List[int]:
+        """Group ranks that connection failure ``exc`` (reading from ``src``) suggests are
+        dead: those whose connections closed without a goodbye."""
+        if not isinstance(exc, (PeerClosed, ConnectionResetError, BrokenPipeError)):
+            return []
+        return sorted(set(self.closed_peers()) | ({src} if src is not None else set()))
+
     def close(self, goodbye: str = _BYE) -> None:
         """Close every connection, first telling the peers why (``"bye"``: the group was
         destroyed here; ``"abort"``: it is broken)."""
@@ -621,8 +628,8 @@ def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Opt
     coordinator could not explain: peers whose connections closed without a goodbye are
     dead (``RankFailedError`` naming them); anything else breaks the group."""
     me = global_ranks[links.rank]
-    if isinstance(exc, (PeerClosed, ConnectionResetError, BrokenPipeError)):
-        gone = sorted(set(links.closed_peers()) | ({src} if src is not None else set()))
+    gone = links.suspects(src, exc)
+    if gone:
         who = [global_ranks[g] for g in gone]
         names = " and ".join(f"rank {g}" for g in who)
         return errors.RankFailedError(
@@ -710,6 +717,9 @@ class TcpTransport(RoundTransport):
         kind, key, fp, payload = message
         return kind, self.epoch, tuple(key), fp, payload
 
+    def _suspects(self, exc: BaseException) -> Sequence[int]:
+        return self.links.suspects(self._reading, exc)
+
     def _unexplained(self, call: Any, exc: BaseException) -> errors.RaycollError:
         return peer_failure(self.links, self.ctx.global_ranks,
                             f"{call.op} #{call.seq} on group {self.ctx.group_name!r}",
@@ -761,7 +771,7 @@ class Mailbox:
 
     def __init__(self, links: Links, *, group: str, global_ranks: Sequence[int],
                  check: Callable[[Sequence[int], float], None],
-                 explain: Callable[[], Optional[BaseException]]) -> None:
+                 explain: Callable[[Sequence[int]], Optional[BaseException]]) -> None:
         self.links = links
         self.group = group
         self.global_ranks = tuple(global_ranks)
@@ -773,6 +783,8 @@ class Mailbox:
         self._reading = False
         self._readers: Dict[int, _Reader] = {}
         self._failed: Dict[int, BaseException] = {}
+        #: per source: the message being read (its tag, meta and the receive it goes to)
+        self._current: Dict[int, Tuple[int, Any, Optional[_Posted]]] = {}
 
     # -- sending
     def send(self, arr: np.ndarray, dst: int, tag: int, meta: Any,
@@ -812,7 +824,7 @@ class Mailbox:
             self._break_out(out, dst, exc)
             raise
         except OSError as exc:
-            error = self._explain() or peer_failure(
+            error = self._explain(self.links.suspects(dst, exc)) or peer_failure(
                 self.links, self.global_ranks, what, dst, exc, group=self.group, op="send")
             self._break_out(out, dst, error)
             raise error from exc
@@ -932,7 +944,7 @@ class Mailbox:
                 if not posted.done and posted.src == s:
                     raise self._failed[s] from exc
             except (OSError, FrameError) as exc:
-                error = self._explain() or peer_failure(
+                error = self._explain(self.links.suspects(s, exc)) or peer_failure(
                     self.links, self.global_ranks, f"recv on group {self.group!r}", s, exc,
                     group=self.group, op="recv")
                 self._failed[s] = error
@@ -948,21 +960,24 @@ class Mailbox:
             for p in self._posted:
                 if not p.claimed and (p.src is None or p.src == src) and p.tag == tag:
                     p.claimed = True
-                    self._current = (src, tag, meta, p)
+                    self._current[src] = (tag, meta, p)
                     if meta == p.meta and p.arr.flags.c_contiguous and p.arr.flags.writeable \
                             and len(lens) == 1 and lens[0] == p.arr.nbytes:
                         return [memoryview(p.arr).cast("B")]
                     return _fresh(meta_bytes, lens)
-        self._current = (src, tag, meta, None)
+        self._current[src] = (tag, meta, None)
         return _fresh(meta_bytes, lens)
 
     def _arrived(self, src: int, got: Tuple[bytes, List[Any]]) -> None:
-        _src, tag, meta, posted = self._current
+        tag, meta, posted = self._current.pop(src)
         buf = got[1][0] if got[1] else memoryview(b"")
         direct = posted is not None and buf.obj is not None and posted.arr.flags.c_contiguous \
             and isinstance(buf.obj, np.ndarray) and np.shares_memory(buf.obj, posted.arr)
         data = None if direct else np.frombuffer(buf, dtype=np.uint8)
         with self._cv:
+            if posted is None:  # a receive may have been posted while the message came in
+                posted = next((p for p in self._posted if not p.claimed and p.tag == tag
+                               and (p.src is None or p.src == src)), None)
             if posted is None:
                 self._stash.append((src, tag, meta, data))
             else:
