@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check for raycoll (see /work/shared/gpu/README.md).
+# The one prepared GPU check for raycoll (see ../shared/gpu/README.md, beside this repository).
 #
 # Run from the repository root on the GPU machine (one GPU, Python 3.12 with cupy and NCCL,
 # no Ray, no network), with Ray's wheels built beforehand on a networked machine by

@@ -54,6 +54,7 @@ from raycoll.errors import (
     RaycollError,
     RankFailedError,
     SpawnError,
+    CodeNotShippableError,
 )
 from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
@@ -98,5 +99,5 @@ __all__ = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError",
+    "SpawnError", "CodeNotShippableError",
 ]

@@ -14,7 +14,9 @@
     │       ├── RankFailedError             a rank's actor died
     │       └── CoordinatorDiedError        the group's coordinator actor is gone
     ├── BackendUnavailableError             the backend for a device is missing (no cupy, ...)
-    └── SpawnError                          raycoll.spawn: a rank's function raised
+    ├── SpawnError                          raycoll.spawn: a rank's function raised
+    └── CodeNotShippableError (ImportError) the ranks cannot import the function's module and
+                                            it cannot travel by value (compiled code)
 
 Invalid arguments on the calling rank raise the built-in ``ValueError`` / ``TypeError``, as
 ``torch.distributed`` does, before anything is sent (the peers of that collective are told,
@@ -40,6 +42,7 @@ __all__ = [
     "CoordinatorDiedError",
     "BackendUnavailableError",
     "SpawnError",
+    "CodeNotShippableError",
 ]
 
 
@@ -124,3 +127,8 @@ class SpawnError(RaycollError):
     def __init__(self, message: str, *, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class CodeNotShippableError(RaycollError, ImportError):
+    """:func:`raycoll.spawn`'s function (or an argument) comes from a module the rank
+    workers cannot import and that cannot be shipped by value; raised before it runs."""

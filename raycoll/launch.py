@@ -21,6 +21,7 @@ import ray
 from ray.actor import ActorHandle
 
 from raycoll import errors
+from raycoll._shipping import ship
 from raycoll.backends import BackendConfig
 from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
@@ -314,6 +315,12 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     :class:`~raycoll.errors.SpawnError` is raised with the rank in its message and the rank's
     exception as its cause. Actors reserve 1 CPU each unless ``actor_options`` says otherwise;
     a request the cluster can never satisfy is refused at once.
+
+    ``fn`` may be defined anywhere: in ``__main__``, a notebook, a test file, or a module on
+    this process's ``sys.path`` only. Modules the actors cannot import are shipped to them by
+    value (``cloudpickle.register_pickle_by_value``); compiled code, which cannot travel
+    that way, is refused before ``fn`` runs (:class:`~raycoll.errors.CodeNotShippableError`
+    naming the module and the fix).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -339,10 +346,17 @@ def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = 
            kwargs: Optional[dict] = None, *, group_name: str, backend: Optional[str] = None,
            timeout: Any = None) -> List[Any]:
     """Form ``group_name`` among ``actors`` (which must have a ``run(fn, rank, args, kwargs)``
-    method, like spawn's workers), run ``fn`` on each, destroy the group, return the results."""
+    method, like spawn's workers), run ``fn`` on each, destroy the group, return the results.
+
+    ``fn`` and its arguments may come from modules the actors cannot import (a test file, a
+    module beside a notebook or on a script's own ``sys.path``): those are shipped by value
+    (see :mod:`raycoll._shipping`)."""
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     create_group(actors, backend=backend, group_name=group_name, timeout=seconds)
     try:
+        shipped = ship(actors, (fn, args, kwargs or {}), min(seconds, 30.0))
+        if shipped:
+            logger.debug("raycoll: shipping modules %s to the ranks by value", shipped)
         refs = [a.run.remote(fn, rank, args, kwargs or {}) for rank, a in enumerate(actors)]
         return _collect(refs, group_name, seconds)
     finally:

@@ -21,6 +21,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ["RAYCOLL_SOCKET_IFNAME"] = "lo"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):  # noqa: D103 - pytest hook
+    if item.get_closest_marker("torch") is not None and not helpers.HAS_TORCH:
+        pytest.skip(helpers.TORCH_MISSING)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
     items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
     # Test modules are not importable inside Ray workers: ship their functions by value.

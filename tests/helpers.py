@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Sequence, Tuple
 
 import numpy as np
+
+#: torch is an optional extra: tests marked ``torch`` skip with this reason without it.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+TORCH_MISSING = ("needs torch, an optional extra the [test] extra does not install: "
+                 "pip install -e '.[torch]' (on a CPU-only machine: pip install torch==2.13.0)")
 
 DTYPES = ("int32", "int64", "float32", "float64", "bool", "complex64")
 

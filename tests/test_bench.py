@@ -117,6 +117,7 @@ def test_every_op_runs_and_checks_clean(ray_local: None, tmp_path: Path,
     assert big and big[0]["busbw"] == pytest.approx(big[0]["algbw"] * 4 / 3)
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_vs_gloo_adds_the_peer_time_and_ratio(ray_local: None, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:

@@ -118,7 +118,9 @@ def test_local_validator_rejects_broken_config(breakage):
 
 
 def _run_instances_errors(node_config):
-    botocore_session = pytest.importorskip("botocore.session")
+    botocore_session = pytest.importorskip(
+        "botocore.session", reason="needs botocore (AWS's SDK, not in the [test] extra) to "
+        "check the EC2 node configs against the RunInstances schema: pip install botocore")
     from botocore.validate import ParamValidator
 
     model = botocore_session.get_session().get_service_model("ec2")

@@ -35,7 +35,6 @@ NCCL_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int32", "int64
 OPS = {"f": ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM"),
        "i": ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"),
        "b": ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")}
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def _ops(dtype: str) -> Tuple[str, ...]:
@@ -167,8 +166,8 @@ def test_nccl_streams_events_and_work(solo: Any) -> None:
     assert work.is_completed() and work.is_success() and work.wait(timeout=5)
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 def test_nccl_torch_cuda_tensors_and_bfloat16(solo: Any) -> None:
     import torch
 

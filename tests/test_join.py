@@ -400,9 +400,9 @@ def _torch_port(rank: int, cases: List[tuple]) -> List[Any]:
     return out
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(180)
 def test_torch_join_test_ported(ranks):
-    pytest.importorskip("torch")
     world_size = 3
     cases = {  # torch's test name: (uneven, num_joinables, enable, throw, num_allreduces, post)
         "single_joinable_main_hooks": (True, 1, True, False, 1, False),
@@ -456,10 +456,9 @@ def _averager(rank: int, counts: List[int], use_torch: bool, divide_by_world: bo
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("use_torch", [False, True], ids=["numpy", "torch"])
+@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=pytest.mark.torch)],
+                         ids=["numpy", "torch"])
 def test_gradient_averager_divides_by_contributors_and_syncs_params(ranks, use_torch):
-    if use_torch:
-        pytest.importorskip("torch")
     counts = [2, 3, 5]
     results = ranks.run(_averager, 3, counts, use_torch, False)
     w = np.zeros(3)

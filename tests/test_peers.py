@@ -37,7 +37,6 @@ def peers_ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module", params=PEERS, ids=lambda cls: cls.name)
 def peer(request: pytest.FixtureRequest, peers_ray: None) -> Iterator[Peer]:
-    pytest.importorskip("torch")
     cls: Type[Peer] = request.param
     with cls() as p:
         p.setup(2)
@@ -64,6 +63,7 @@ def test_not_supported_survives_pickling() -> None:
     assert (err.peer, err.op, err.reason) == ("gloo", "scatter", "why")
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(120)  # the first test of each peer also pays for ray.init and setup
 @pytest.mark.parametrize("nbytes", [4, 1 << 20])
 def test_all_reduce_times(peer: Peer, nbytes: int) -> None:
@@ -72,6 +72,7 @@ def test_all_reduce_times(peer: Peer, nbytes: int) -> None:
     assert all(t > 0 for t in times)
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(60)
 def test_every_supported_op_runs(peer: Peer) -> None:
     for op in sorted(peer.supported_ops):
@@ -79,6 +80,7 @@ def test_every_supported_op_runs(peer: Peer) -> None:
         assert len(times) == 1 and times[0] > 0, op
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(60)
 def test_unsupported_op_raises(peer: Peer) -> None:
     missing = sorted(set(OPS) - peer.supported_ops)
@@ -119,9 +121,9 @@ def test_plain_get(peers_ray: None) -> None:
         plain_get_seconds(4, iters=1, node_resource="no_such_node")
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(90)
 def test_run_timeout_fires_and_closes(peers_ray: None) -> None:
-    pytest.importorskip("torch")
     peer = GlooPeer()
     peer.setup(1)  # one rank starts fastest; its all_reduce still takes ~0.1 ms per call
     peer.timeout = timedelta(seconds=0.5)

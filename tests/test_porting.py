@@ -39,9 +39,11 @@ def _load(path: Path):
     return module
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_torch_gloo_and_raycoll_train_the_same_model(ray_local, tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),

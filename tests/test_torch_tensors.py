@@ -7,7 +7,10 @@ import pytest
 
 import raycoll
 
-torch = pytest.importorskip("torch")
+from helpers import TORCH_MISSING
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 
 def _torch_ops(rank, world_size):
