@@ -34,7 +34,7 @@ EXPECTED = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError",
+    "SpawnError", "CodeNotShippableError",
 ]
 
 
