@@ -92,7 +92,7 @@ from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupCont
 from raycoll.coordinator import meta_mismatch
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
-from raycoll.tensors import host_view
+from raycoll.tensors import dtype_name, host_view
 from raycoll.transport.base import PerPeer
 from raycoll.transport.lane import LANE_BYTES, lane_bytes, oversubscribed
 
@@ -142,7 +142,7 @@ Segments = List[np.ndarray]
 
 
 def _meta(arr: np.ndarray) -> Any:
-    return (arr.dtype.name, tuple(arr.shape))
+    return (dtype_name(arr.dtype), tuple(arr.shape))
 
 
 @contextmanager

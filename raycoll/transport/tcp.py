@@ -878,6 +878,7 @@ class Mailbox:
         begun = time.monotonic()
         next_check = begun + 0.1
         every = 0.1
+        first = True  # read at once: the message is often there already (no select)
         while True:
             with self._cv:
                 while not posted.done and self._reading:
@@ -900,7 +901,8 @@ class Mailbox:
                         timeout_s)
                 self._reading = True
             try:
-                self._pump(posted, min(0.05, deadline - now))
+                self._pump(posted, min(0.05, deadline - now), wait=not first)
+                first = False
                 if time.monotonic() >= next_check and not posted.done:
                     peers = [posted.src] if posted.src is not None else [
                         j for j in range(self.links.size) if j != self.links.rank]
@@ -916,8 +918,9 @@ class Mailbox:
                     self._reading = False
                     self._cv.notify_all()
 
-    def _pump(self, posted: _Posted, seconds: float) -> None:
-        """Read what has come on the p2p connections (this thread is the reader)."""
+    def _pump(self, posted: _Posted, seconds: float, wait: bool = True) -> None:
+        """Read what has come on the p2p connections (this thread is the reader); ``wait``:
+        first wait up to ``seconds`` for something to come."""
         srcs = ([posted.src] if posted.src is not None
                 else [j for j in range(self.links.size) if j != self.links.rank])
         socks = {}
@@ -928,9 +931,12 @@ class Mailbox:
             sock = self.links.incoming(s, "p2p")
             if sock is not None:
                 socks[s] = sock
-        self.links.wait(list(socks.values()), [], seconds)
+        if wait:
+            self.links.wait(list(socks.values()), [], seconds)
         for s, sock in socks.items():
-            reader = self._readers.setdefault(s, _Reader())
+            reader = self._readers.get(s)
+            if reader is None:
+                reader = self._readers[s] = _Reader()
             try:
                 while True:
                     got = reader.pull(sock, lambda m, lens, s=s: self._place(s, m, lens))

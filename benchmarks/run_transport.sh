@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Re-runs the direct-connection measurements of benchmarks/BENCHMARKS.md ("Across nodes and
+# point to point"): two Ray nodes on this machine (ray.cluster_utils.Cluster, sockets on
+# loopback) and point-to-point on one node, each against gloo in the same run. 10-15 minutes
+# on the 2-core reference machine; check `uptime` first.
+set -u
+cd "$(dirname "$0")/.."
+out=benchmarks/results
+mkdir -p "$out"
+export RAYCOLL_SOCKET_IFNAME=lo
+run() {  # run NAME ARGS...: one raycoll-bench run, table to NAME.txt, rows to NAME.json
+  local name=$1; shift
+  { echo "# load before: $(uptime)"; echo "# command: raycoll-bench $*"
+    python -m raycoll.bench --no-progress --json "$out/$name.json" "$@" 2>/dev/null
+    echo "# load after: $(uptime)"; } > "$out/$name.txt"
+  cat "$out/$name.txt"
+}
+# one node, point to point (a round trip between the two ranks)
+run p2p1_gloo --op send_recv --sizes 4,256K,4M,64M --world-size 2 --vs gloo --check \
+    --iters 100 --warmup 20
+# two nodes, one rank on each: small sizes with many iterations, then every size
+run nodes2_small --op all_reduce,broadcast,send_recv --sizes 4,256K --world-size 2 --nodes 2 \
+    --vs gloo --check --iters 200 --warmup 50
+run nodes2_tcp --op all_reduce,broadcast,send_recv --sizes 4,256K,4M,64M --world-size 2 \
+    --nodes 2 --vs gloo --check --iters 20 --warmup 5
+# two nodes, two ranks on each
+run nodes2_4ranks --op all_reduce,broadcast --sizes 4,256K,64M --world-size 4 --nodes 2 \
+    --vs gloo --check --iters 10 --warmup 3
