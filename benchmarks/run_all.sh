@@ -4,15 +4,8 @@
 # skews every figure (the load before and after each run is recorded in its .txt file).
 set -u
 cd "$(dirname "$0")/.."
-out=benchmarks/results
-mkdir -p "$out"
-run() {  # run NAME ARGS...: one raycoll-bench run, table to NAME.txt, rows to NAME.json
-  local name=$1; shift
-  { echo "# load before: $(uptime)"; echo "# command: raycoll-bench $*"
-    python -m raycoll.bench --no-progress --json "$out/$name.json" "$@" 2>/dev/null
-    echo "# load after: $(uptime)"; } > "$out/$name.txt"
-  cat "$out/$name.txt"
-}
+# shellcheck source=benchmarks/bench_lib.sh
+source benchmarks/bench_lib.sh
 run ops2_gloo --op all --sizes 4,4K,256K,4M,64M --world-size 2 --vs gloo --check --iters 10 --warmup 3
 run a2a2_gloo --op all_to_all,all_to_all_single --sizes 4,4K,256K,4M,64M --world-size 2 --vs gloo \
     --check --iters 10 --warmup 3

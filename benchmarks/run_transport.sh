@@ -1,20 +1,13 @@
 #!/usr/bin/env bash
 # Re-runs the direct-connection measurements of benchmarks/BENCHMARKS.md ("Across nodes and
 # point to point"): two Ray nodes on this machine (ray.cluster_utils.Cluster, sockets on
-# loopback) and point-to-point on one node, each against gloo in the same run. 10-15 minutes
+# loopback) and point-to-point on one node, each against gloo in the same run. 2-3 minutes
 # on the 2-core reference machine; check `uptime` first.
 set -u
 cd "$(dirname "$0")/.."
-out=benchmarks/results
-mkdir -p "$out"
 export RAYCOLL_SOCKET_IFNAME=lo
-run() {  # run NAME ARGS...: one raycoll-bench run, table to NAME.txt, rows to NAME.json
-  local name=$1; shift
-  { echo "# load before: $(uptime)"; echo "# command: raycoll-bench $*"
-    python -m raycoll.bench --no-progress --json "$out/$name.json" "$@" 2>/dev/null
-    echo "# load after: $(uptime)"; } > "$out/$name.txt"
-  cat "$out/$name.txt"
-}
+# shellcheck source=benchmarks/bench_lib.sh
+source benchmarks/bench_lib.sh
 # one node, point to point (a round trip between the two ranks)
 run p2p1_gloo --op send_recv --sizes 4,256K,4M,64M --world-size 2 --vs gloo --check \
     --iters 100 --warmup 20
