@@ -10,6 +10,9 @@ Layers, top to bottom (data flows one way):
   store, others registered per device;
 - the coordinator actor (:mod:`raycoll.coordinator`): rendezvous, arrival matching,
   fingerprints, failures — control only, plus small inline payloads.
+
+:mod:`raycoll.torch_backend` makes raycoll a ``torch.distributed`` backend
+(``init_process_group("raycoll")``); importing raycoll registers it without importing torch.
 """
 
 from raycoll.backends import Backend, BackendConfig, is_nccl_available
@@ -75,6 +78,7 @@ from raycoll.process_groups import (
 )
 from raycoll.reduce_op import ReduceOp
 from raycoll.work import Future, Work
+from raycoll import torch_backend as _torch_backend
 
 __version__ = "0.1.0"
 
@@ -101,3 +105,5 @@ __all__ = [
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
     "SpawnError", "CodeNotShippableError",
 ]
+
+_torch_backend.install()  # registers now if torch is imported, else right after it is
