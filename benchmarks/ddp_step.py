@@ -1,0 +1,150 @@
+"""DDP step time, raycoll backend vs gloo, same actors, same run.
+
+    python benchmarks/ddp_step.py [--world-size 2] [--params 20] [--steps 10] [--rounds 3]
+
+``--world-size`` Ray actors (``raycoll.spawn``) each build the same MLP of about ``--params``
+million float32 parameters and train it with torch's ``DistributedDataParallel`` (SGD, batch
+``--batch``), once over ``torch.distributed.init_process_group("raycoll")`` and once over
+gloo (``init_method=tcp://127.0.0.1:<free port>``, ``GLOO_SOCKET_IFNAME=lo``: every socket
+stays on loopback). The two alternate for ``--rounds`` rounds of ``--steps`` timed steps
+(after ``--warmup`` untimed ones), so that both see the same machine. A step is forward,
+backward (DDP's bucketed gradient all_reduces overlap it) and ``optimizer.step()``, timed on
+every rank; the figure is the median over steps of the slowest rank. ``--json`` prints the
+numbers as JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Sequence
+
+import ray
+
+import raycoll
+
+
+def make_model(params_m: float, width: int = 2048) -> Any:
+    import torch
+
+    layers = max(1, round(params_m * 1e6 / (width * width + width)))
+    torch.manual_seed(0)
+    mods: List[Any] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any]) -> List[float]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if backend == "raycoll":
+        dist.init_process_group("raycoll")
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=cfg["world_size"])
+    try:
+        model = DDP(make_model(cfg["params"]))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(cfg["batch"], 2048, generator=g)
+        times = []
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            dist.barrier()
+            start = time.perf_counter()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - start)
+        return times
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_rank(rank: int, cfg: Dict[str, Any], ports: List[int]) -> Dict[str, List[float]]:
+    """Every rank: alternate the two backends for ``rounds`` rounds."""
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    out: Dict[str, List[float]] = {"raycoll": [], "gloo": []}
+    for r in range(cfg["rounds"]):
+        for backend in ("raycoll", "gloo") if r % 2 == 0 else ("gloo", "raycoll"):
+            out[backend] += _time_steps(rank, backend, ports[r], cfg)
+    return out
+
+
+def compute_only(cfg: Dict[str, Any]) -> float:
+    """The same step in one process without DDP (the compute floor), median seconds."""
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    model = make_model(cfg["params"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(cfg["batch"], 2048)
+    times = []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= cfg["warmup"]:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--params", type=float, default=20.0, help="millions of parameters")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(list(argv))
+    cfg = {"world_size": args.world_size, "params": args.params, "batch": args.batch,
+           "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+           "threads": args.threads}
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    ports = [_free_port() for _ in range(args.rounds)]
+    results = raycoll.spawn(bench_rank, args.world_size, args=(cfg, ports),
+                            actor_options={"num_cpus": 0})
+    numel = sum(p.numel() for p in make_model(args.params).parameters())
+    summary: Dict[str, Any] = {"config": cfg, "parameters": numel}
+    for backend in ("raycoll", "gloo"):
+        per_step = [max(r[backend][i] for r in results) for i in range(len(results[0][backend]))]
+        summary[backend] = {"median_s": statistics.median(per_step), "min_s": min(per_step)}
+    summary["gloo_over_raycoll"] = summary["gloo"]["median_s"] / summary["raycoll"]["median_s"]
+    summary["compute_only_s"] = compute_only(cfg)
+    print(f"DDP step, {numel / 1e6:.1f}M float32 parameters, {args.world_size} ranks, batch "
+          f"{args.batch}, {args.threads} torch thread(s) per rank, "
+          f"{args.rounds} x {args.steps} steps each")
+    for backend in ("raycoll", "gloo"):
+        s = summary[backend]
+        print(f"  {backend:8s} median {s['median_s'] * 1e3:8.1f} ms   min {s['min_s'] * 1e3:8.1f} ms")
+    print(f"  compute only (one process, no DDP): {summary['compute_only_s'] * 1e3:.1f} ms")
+    print(f"  gloo / raycoll step time: {summary['gloo_over_raycoll']:.2f}x")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
