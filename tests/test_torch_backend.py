@@ -214,6 +214,38 @@ def test_rank_that_disagrees_with_the_raycoll_group_is_refused(ranks):
         assert "does not match this rank's raycoll group" in msg
 
 
+def _mismatch_and_gloo(rank: int) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    out: Dict[str, Any] = {}
+    start = time.time()
+    try:  # gloo without MASTER_ADDR inside a raycoll rank: fails at once (not a hang)
+        dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["gloo"] = [type(exc).__name__, str(exc), time.time() - start]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    dist = _init()
+    try:
+        try:
+            dist.all_reduce(torch.zeros(3 + rank))  # shapes differ across ranks
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["mismatch"] = [type(exc).__name__, str(exc)]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mismatch_is_named_and_gloo_without_master_addr_fails_fast(ranks):
+    for got in ranks.run(_mismatch_and_gloo, 2):
+        kind, msg = got["mismatch"]
+        assert kind == "CollectiveMismatchError" and "shape" in msg, got
+        kind, msg, took = got["gloo"]  # an error, not a 60 s wait for peers it cannot see
+        assert took < 30, got
+
+
 # ---------------------------------------------------------------------- DDP
 def _ddp_train(rank: int, world: int, steps: int, hook: str, accumulate: bool) -> Any:
     import torch
@@ -403,6 +435,7 @@ def test_rank_dying_during_ddp_backward_fails_the_others_naming_it(ray_local):
         raycoll.create_group(team, group_name=name, timeout=120)
         refs = [a.run.remote(_ddp_dies, r, (1,), {}) for r, a in enumerate(team)]
         survivor = ray.get(refs[0], timeout=90)
+        print(f"\nsurvivor's error after {survivor.get('elapsed', 0):.2f}s: {survivor.get('msg')}")
         assert not survivor["ok"], survivor
         assert "rank 1" in survivor["msg"], survivor
         assert survivor["elapsed"] < 10.0, survivor  # seconds, not the 120 s timeout
