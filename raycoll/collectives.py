@@ -70,6 +70,11 @@ def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
         raise TypeError(f"{name} has dtype object: tensors hold numbers (or bool, str, dates); "
                         "send Python objects with the *_object collectives (e.g. "
                         "all_gather_object)")
+    if info.dtype == "bfloat16" and info.device == "cpu":
+        raise TypeError(
+            f"{name} is a bfloat16 CPU tensor, which raycoll's CPU path cannot hold (numpy has "
+            f"no bfloat16): convert it ({name}.float()), or use torch.distributed with "
+            "init_process_group('raycoll'), whose collectives reduce bfloat16 in float32")
     if writable and not info.writable:
         raise ValueError(
             f"{name} is read-only (arrays returned by ray.get are read-only views of the object "

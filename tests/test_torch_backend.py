@@ -246,6 +246,29 @@ def test_mismatch_is_named_and_gloo_without_master_addr_fails_fast(ranks):
         assert took < 30, got
 
 
+def _bf16_on_raycolls_own_api(rank: int) -> Dict[str, Any]:
+    import torch
+
+    out: Dict[str, Any] = {}
+    try:
+        t = torch.ones(4, dtype=torch.bfloat16 if rank == 0 else torch.float32)
+        raycoll.all_reduce(t)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = [type(exc).__name__, str(exc)]
+    ok = torch.ones(2)
+    raycoll.all_reduce(ok)  # the group survives the refusal
+    out["after"] = ok.tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_bfloat16_on_raycolls_own_api_is_refused_before_anything_is_sent(ranks):
+    first, second = ranks.run(_bf16_on_raycolls_own_api, 2)
+    assert first["error"][0] == "TypeError" and "init_process_group('raycoll')" in first["error"][1]
+    assert second["error"][0] == "PeerArgumentError", second
+    assert first["after"] == second["after"] == [2.0, 2.0]
+
+
 # ---------------------------------------------------------------------- DDP
 def _ddp_train(rank: int, world: int, steps: int, hook: str, accumulate: bool) -> Any:
     import torch
