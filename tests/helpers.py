@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Any, Sequence, Tuple
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence, Tuple
 
 import numpy as np
 
@@ -192,3 +195,22 @@ def every_op(rank: int, world_size: int, n: int) -> Any:
                 strided[:, 1] = mine(me, salt=20 + k)
                 raycoll.send(strided[:, 1], dst=0, tag=8)  # non-contiguous
     return bad, world().default.context.transport_name
+
+
+@contextlib.contextmanager
+def example_module(filename: str) -> Iterator[Any]:
+    """``examples/<filename>`` imported as a module, shipped to the ranks by value (they
+    cannot import it by name)."""
+    import ray.cloudpickle
+
+    path = Path(__file__).resolve().parents[1] / "examples" / filename
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        yield module
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(module)
+        sys.modules.pop(spec.name, None)

@@ -7,23 +7,19 @@ ranks still working, and joined ranks shadow with zeros.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import uuid
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
 import ray
-import ray.cloudpickle
 
+import helpers
 import raycoll
 from raycoll.group import world
 from raycoll.launch import RankWorker
 
 BASE = 3
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "uneven_inputs.py"
 
 
 class AllReducer(raycoll.Joinable):
@@ -577,14 +573,8 @@ def test_group_status_finds_a_group_formed_by_init_process_group(ray_local):
 # ---------------------------------------------------------------------- the example
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("uneven_inputs_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import it by name
-    yield module
-    ray.cloudpickle.unregister_pickle_by_value(module)
-    sys.modules.pop(spec.name, None)
+    with helpers.example_module("uneven_inputs.py") as module:
+        yield module
 
 
 @pytest.mark.timeout(180)

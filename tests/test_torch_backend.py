@@ -5,14 +5,12 @@ middle of DDP's backward. Real Ray, real torch, no mocks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
@@ -22,13 +20,13 @@ import ray
 import raycoll
 from raycoll.launch import RankWorker
 
+import helpers
 from helpers import TORCH_MISSING
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 W = 3  # world size of the collectives test
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
 
 
 # ---------------------------------------------------------------------- rank-side helpers
@@ -512,14 +510,8 @@ def test_outside_a_raycoll_rank_the_error_says_what_to_do():
 # ---------------------------------------------------------------------- the example
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("ddp_train_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # the ranks cannot import it by name
-    yield module
-    ray.cloudpickle.unregister_pickle_by_value(module)
-    sys.modules.pop(spec.name, None)
+    with helpers.example_module("ddp_train.py") as module:
+        yield module
 
 
 @pytest.mark.timeout(180)
