@@ -17,6 +17,7 @@ trip, so ``joined - plain`` should stay within about one ``plain``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Dict, List, Sequence
@@ -89,8 +90,11 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     args = parser.parse_args(list(argv))
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    if not ray.is_initialized():  # the cluster in RAY_ADDRESS, else a Ray of its own
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(address="local", include_dashboard=False)
     results = raycoll.spawn(measure, args.world_size, args=(args.iters, args.warmup),
                             actor_options={"num_cpus": 0})
     last = results[-1]

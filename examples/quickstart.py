@@ -37,7 +37,8 @@ class Worker:
 
 
 def main() -> None:
-    ray.init(num_cpus=4, include_dashboard=False)
+    # A Ray of its own ("local"), even where another one runs on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     world_size = 2
     for result in raycoll.spawn(train_step, world_size, args=(world_size,),
                                 actor_options={"num_cpus": 0}):

@@ -20,6 +20,7 @@ check fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
@@ -150,8 +151,11 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--extra", type=int, default=Config.extra)
     args = parser.parse_args(list(argv))
     cfg = Config(world_size=args.world_size, base=args.base, extra=args.extra)
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    if not ray.is_initialized():  # the cluster in RAY_ADDRESS, else a Ray of its own
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(address="local", include_dashboard=False)
     _, problems = run(cfg)
     return 1 if problems else 0
 
