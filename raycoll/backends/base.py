@@ -11,7 +11,6 @@ the call's timeout.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -264,18 +263,11 @@ class GroupContext:
         """The coordinator's error once it has one, or ``None`` after a short grace; group
         ranks ``suspects`` are probed at once (a dead actor's probe fails within
         milliseconds)."""
-        from raycoll.transport.base import PROBE_NOW
+        from raycoll.transport.base import PROBE_NOW, await_explanation
         from raycoll.transport.tcp import CLOSED_GRACE_S
 
-        deadline = time.monotonic() + CLOSED_GRACE_S
-        while True:
-            try:
-                self._p2p_check(suspects, PROBE_NOW if suspects else 0.0)
-            except errors.RaycollError as exc:
-                return exc
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.02)
+        return await_explanation(
+            lambda: self._p2p_check(suspects, PROBE_NOW if suspects else 0.0), CLOSED_GRACE_S)
 
     @property
     def transport_name(self) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -93,6 +93,21 @@ def own(value: Any) -> Any:
 def report_period_s() -> float:
     """How far behind a rank's transport collectives the coordinator (group_status) may be."""
     return REPORT_EVERY_S
+
+
+def await_explanation(check: Callable[[], None], grace_s: float) -> Optional[BaseException]:
+    """The coordinator's error once ``check`` (which asks it) raises one, or ``None`` when it
+    has none within ``grace_s``: after a transport failure this rank sees the sign a moment
+    before the coordinator learns its cause (a dead rank, a rejection, a failed round)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            check()
+        except errors.RaycollError as exc:
+            return exc
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
 
 
 class RoundTransport:
@@ -266,15 +281,9 @@ class RoundTransport:
         has none within ``failure_grace_s``. Group ranks ``suspects`` (whose connections
         closed, say) are probed at once: a dead actor's probe fails within milliseconds, so
         the coordinator names the rank that died, not the survivors that closed after it."""
-        deadline = time.monotonic() + self.failure_grace_s
-        while True:
-            try:
-                self.check(call, suspects, PROBE_NOW if suspects else 0.0)
-            except errors.RaycollError as exc:
-                return exc
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.02)
+        return await_explanation(
+            lambda: self.check(call, suspects, PROBE_NOW if suspects else 0.0),
+            self.failure_grace_s)
 
     def _guard(self, call: "Call", fn: Any, *args: Any) -> Any:
         """``fn(*args)``; a transport failure (not a timeout) ends the call with the
