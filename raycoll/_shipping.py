@@ -21,7 +21,7 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, Dict, Iterable, List, Sequence, Set
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import ray
 from ray import cloudpickle
@@ -32,14 +32,13 @@ from raycoll import errors
 _OURS = frozenset({"raycoll", "ray", "numpy", "cupy", "torch", "__main__", "builtins"})
 
 
-def _installed_roots() -> List[str]:
+@functools.lru_cache(maxsize=None)
+def _installed_roots() -> Tuple[str, ...]:
+    """Directories of the standard library and installed distributions."""
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
     roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
-    return [os.path.realpath(r) + os.sep for r in roots if r]
-
-
-_ROOTS = _installed_roots()
+    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
 
 
 def _is_user_module(module: types.ModuleType) -> bool:
@@ -52,7 +51,7 @@ def _is_user_module(module: types.ModuleType) -> bool:
     if not path:
         return False  # built in, frozen or a namespace package: nothing to ship
     path = os.path.realpath(path)
-    return not any(path.startswith(root) for root in _ROOTS)
+    return not any(path.startswith(root) for root in _installed_roots())
 
 
 def _modules_of(obj: Any, depth: int = 0) -> Iterable[str]:
@@ -148,8 +147,8 @@ def ship(actors: Sequence[Any], roots: Sequence[Any], timeout_s: float) -> List[
     import; returns their names. Raises ``CodeNotShippableError`` for one it cannot
     ship."""
     modules = _user_modules(roots)
-    tops = sorted({n.partition(".")[0] for n in modules if not _by_value(n)}
-                  - {n.partition(".")[0] for n in modules if _by_value(n.partition(".")[0])})
+    # a module registered by value (it or a package above it) travels already
+    tops = sorted({n.partition(".")[0] for n in modules if not _by_value(n)})
     if not tops:
         return []
     refs = [a.__ray_call__.remote(_unimportable, tops) for a in actors]
