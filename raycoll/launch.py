@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray.actor import ActorHandle
@@ -321,6 +321,14 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     value (``cloudpickle.register_pickle_by_value``); compiled code, which cannot travel
     that way, is refused before ``fn`` runs (:class:`~raycoll.errors.CodeNotShippableError`
     naming the module and the fix).
+
+    Before ``fn`` runs, each rank's environment holds torchrun's variables, so that torch code
+    reading them ports unchanged: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (among the ranks on the same Ray node, in rank order), and
+    ``MASTER_ADDR``/``MASTER_PORT``: rank 0's address for direct connections
+    (``RAYCOLL_SOCKET_IFNAME``'s address, else its node's IP when the cluster has several
+    nodes, else 127.0.0.1) and a port free there when ``spawn`` looked (not reserved), where
+    torch's ``env://`` rendezvous (``init_process_group("gloo")``) can put its store.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -336,7 +344,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     actors = [_SpawnWorker.options(**options).remote() for _ in range(world_size)]
     try:
-        return run_on(actors, fn, args, kwargs, group_name=name, backend=backend, timeout=seconds)
+        return run_on(actors, fn, args, kwargs, group_name=name, backend=backend, timeout=seconds,
+                      torchrun_env=True)
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
@@ -344,9 +353,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
 
 def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = (),
            kwargs: Optional[dict] = None, *, group_name: str, backend: Optional[str] = None,
-           timeout: Any = None) -> List[Any]:
+           timeout: Any = None, torchrun_env: bool = False) -> List[Any]:
     """Form ``group_name`` among ``actors`` (which must have a ``run(fn, rank, args, kwargs)``
     method, like spawn's workers), run ``fn`` on each, destroy the group, return the results.
+    ``torchrun_env``: set torchrun's environment in each actor first (see :func:`spawn`).
 
     ``fn`` and its arguments may come from modules the actors cannot import (a test file, a
     module beside a notebook or on a script's own ``sys.path``): those are shipped by value
@@ -357,6 +367,8 @@ def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = 
         shipped = ship(actors, (fn, args, kwargs or {}), min(seconds, 30.0))
         if shipped:
             logger.debug("raycoll: shipping modules %s to the ranks by value", shipped)
+        if torchrun_env:
+            _set_torchrun_env(actors, group_name, min(seconds, 30.0))
         refs = [a.run.remote(fn, rank, args, kwargs or {}) for rank, a in enumerate(actors)]
         return _collect(refs, group_name, seconds)
     finally:
@@ -364,6 +376,43 @@ def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = 
             destroy_group(group_name)
         except Exception:  # noqa: BLE001 - teardown must not hide the real error
             logger.exception("destroying group %r failed", group_name)
+
+
+#: What :func:`spawn` sets in each rank before ``fn`` runs, as torchrun does.
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
+
+
+def _master_endpoint(actor_self: Any) -> Tuple[str, int]:
+    """Runs in rank 0: its address for direct connections (raycoll.transport.tcp's choice:
+    ``RAYCOLL_SOCKET_IFNAME``'s address, else the node's IP on a multi-node cluster, else
+    127.0.0.1) and a port that is free there now (not reserved, as torchrun's)."""
+    import socket
+
+    from raycoll.transport.tcp import listen_address
+
+    host = listen_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return host, int(sock.getsockname()[1])
+
+
+def _export_env(actor_self: Any, group_name: str, rank: int, master: Tuple[str, int]) -> None:
+    """Runs in each rank: torchrun's variables, LOCAL_* from the ranks that share its node."""
+    nodes = world().groups[group_name].context.node_ids
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
+        "LOCAL_RANK": str(nodes[:rank].count(nodes[rank])),
+        "LOCAL_WORLD_SIZE": str(nodes.count(nodes[rank])),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+    })
+
+
+def _set_torchrun_env(actors: Sequence[ActorHandle], group_name: str, timeout_s: float) -> None:
+    master = ray.get(actors[0].__ray_call__.remote(_master_endpoint), timeout=timeout_s)
+    refs = [a.__ray_call__.remote(_export_env, group_name, rank, master)
+            for rank, a in enumerate(actors)]
+    _collect(refs, group_name, timeout_s)
 
 
 def _collect(refs: List[Any], group_name: str, timeout_s: float) -> List[Any]:

@@ -31,7 +31,7 @@ from raycoll.work import to_seconds
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
-    "get_process_group_ranks", "get_group",
+    "get_process_group_ranks", "get_group", "get_node_local_rank",
 ]
 
 
@@ -164,6 +164,20 @@ def get_group(name: str) -> ProcessGroup:
     if isinstance(pg, _NonMember):  # pragma: no cover - names never resolve to non-members
         raise errors.GroupNotFoundError(f"this process is not a member of group {name!r}")
     return pg
+
+
+def get_node_local_rank(fallback_rank: Optional[int] = None) -> int:
+    """This process's rank among the ranks on its node, from ``LOCAL_RANK`` (which
+    :func:`raycoll.spawn` sets, as torchrun does), else ``fallback_rank``, else RuntimeError
+    (torch's ``get_node_local_rank``)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment. Consider passing fallback_rank to allow "
+        "`get_node_local_rank` to work, assuming you are not running in a multi-device "
+        "context and want the code to run locally instead.")
 
 
 def _member(group: GroupLike) -> Union[ProcessGroup, _NonMember]:

@@ -109,3 +109,25 @@ def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(t
         raycoll.destroy_group("kill-mid-stream")
         for a in actors:
             ray.kill(a)
+
+
+def _torchrun_env(rank):
+    import os
+
+    return {"node": ray.get_runtime_context().get_node_id(),
+            **{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}}
+
+
+@pytest.mark.timeout(300)
+def test_spawn_environment_counts_local_ranks_per_node(two_nodes):
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{r % 2}": 1}).remote() for r in range(4)]
+    try:  # spawn's path (torchrun_env=True), with the ranks placed by hand: 0, 2 | 1, 3
+        results = run_on(actors, _torchrun_env, group_name="env-two-nodes", timeout=120,
+                         torchrun_env=True)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    assert results[0]["node"] == results[2]["node"] != results[1]["node"] == results[3]["node"]
+    assert [(r["RANK"], r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"]) for r in results] == \
+        [("0", "0", "2"), ("1", "0", "2"), ("2", "1", "2"), ("3", "1", "2")]
