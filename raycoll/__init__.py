@@ -61,10 +61,13 @@ from raycoll.errors import (
 )
 from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
+from raycoll.group import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
 from raycoll.process_groups import (
     destroy_process_group,
+    get_backend,
+    get_backend_config,
     get_global_rank,
     get_group,
     get_group_rank,
@@ -73,6 +76,7 @@ from raycoll.process_groups import (
     get_rank,
     get_world_size,
     init_process_group,
+    is_available,
     is_initialized,
     new_group,
     new_subgroups,
@@ -88,7 +92,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
-    "get_node_local_rank",
+    "get_node_local_rank", "is_available", "get_backend", "get_backend_config", "group",
     # collectives
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
@@ -107,5 +111,9 @@ __all__ = [
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
     "SpawnError", "CodeNotShippableError",
 ]
+
+#: torch's ``dist.group`` (``group.WORLD``); the name hides the submodule raycoll.group as an
+#: attribute of the package, which nothing uses (``from raycoll.group import ...`` still works).
+group = _world_group
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

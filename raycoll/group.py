@@ -34,6 +34,7 @@ __all__ = [
     "ProcessGroup",
     "GroupSpec",
     "GroupMember",
+    "group",
     "NON_GROUP_MEMBER",
     "world",
     "join_root_group",
@@ -62,8 +63,22 @@ def _non_member() -> "_NonMember":
 NON_GROUP_MEMBER = _NonMember()
 
 
-class GroupMember:
-    """torch's ``GroupMember``: ``NON_GROUP_MEMBER`` marks groups this rank is not part of."""
+class _WorldMeta(type):
+    """The metaclass of :class:`group` and :class:`GroupMember`: their ``WORLD``."""
+
+    @property
+    def WORLD(cls) -> Optional["ProcessGroup"]:
+        """This process's default group, ``None`` before one is formed (torch's)."""
+        return _WORLD.default
+
+
+class group(metaclass=_WorldMeta):
+    """torch's ``dist.group``: ``group.WORLD`` is the default group (``None`` if none)."""
+
+
+class GroupMember(metaclass=_WorldMeta):
+    """torch's ``GroupMember``: ``WORLD`` is the default group (``None`` if none),
+    ``NON_GROUP_MEMBER`` marks groups this rank is not part of."""
 
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
@@ -104,8 +119,10 @@ class ProcessGroup:
         config: BackendConfig,
         timeout_s: float,
         parent: Optional["ProcessGroup"] = None,
+        backend_name: Optional[str] = None,
     ) -> None:
         self._name = name
+        self._backend_name = backend_name
         self._rank = rank
         self._global_ranks = tuple(global_ranks)
         self._root = root
@@ -169,6 +186,13 @@ class ProcessGroup:
     def backend_config(self) -> BackendConfig:
         """The group's device -> backend map."""
         return self._config
+
+    @property
+    def backend_name(self) -> str:
+        """The backend string the group was formed with, lower case (``"undefined"`` for
+        ``None``), as torch's ``get_backend`` reports it; :attr:`backend_config` is the map."""
+        given = self._backend_name
+        return "undefined" if given is None else given.strip().lower()
 
     @property
     def root_name(self) -> str:
@@ -551,7 +575,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], dict(spec.options), info.get("secret"))
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
-                      config=config, timeout_s=spec.timeout_s)
+                      config=config, timeout_s=spec.timeout_s, backend_name=spec.backend)
     w = world()
     with w.lock:
         default = w.default is None if make_default is None else make_default
@@ -569,6 +593,7 @@ def make_subgroup(parent: ProcessGroup, ranks: Sequence[int], timeout_s: Optiona
         return NON_GROUP_MEMBER
     config = BackendConfig(backend) if backend is not None else parent.backend_config
     pg = ProcessGroup(name=name, rank=list(ranks).index(me), global_ranks=ranks, root=parent._root,
-                      config=config, timeout_s=timeout_s or parent.timeout_s, parent=parent)
+                      config=config, timeout_s=timeout_s or parent.timeout_s, parent=parent,
+                      backend_name=backend if backend is not None else parent._backend_name)
     world().add(pg, make_default=False)
     return pg

@@ -31,7 +31,8 @@ from raycoll.work import to_seconds
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
-    "get_process_group_ranks", "get_group", "get_node_local_rank",
+    "get_process_group_ranks", "get_group", "get_node_local_rank", "is_available",
+    "get_backend", "get_backend_config",
 ]
 
 
@@ -164,6 +165,34 @@ def get_group(name: str) -> ProcessGroup:
     if isinstance(pg, _NonMember):  # pragma: no cover - names never resolve to non-members
         raise errors.GroupNotFoundError(f"this process is not a member of group {name!r}")
     return pg
+
+
+def is_available() -> bool:
+    """True: raycoll's collectives are available wherever it imports (torch's
+    ``is_available``)."""
+    return True
+
+
+def _member_or_invalid(group: GroupLike) -> ProcessGroup:
+    pg = _default() if group is None else _member(group)
+    if isinstance(pg, _NonMember):
+        raise ValueError("Invalid process group specified")
+    return pg
+
+
+def get_backend(group: GroupLike = None) -> str:
+    """The backend string ``group`` (default: the default group) was formed with, lower case,
+    ``"undefined"`` when none was given, as torch's ``get_backend``; a subgroup formed without
+    ``backend=`` reports its parent's. ValueError on a non-member."""
+    return _member_or_invalid(group).backend_name
+
+
+def get_backend_config(group: GroupLike = None) -> str:
+    """The device -> backend map ``group`` uses, as ``"cpu:objstore,cuda:nccl"`` (torch's
+    ``get_backend_config``; raycoll's real backends, also for a group asked for as
+    ``"gloo"``). ValueError on a non-member."""
+    mapping = _member_or_invalid(group).backend_config.get_device_backend_map()
+    return ",".join(f"{device}:{name}" for device, name in mapping.items())
 
 
 def get_node_local_rank(fallback_rank: Optional[int] = None) -> int:

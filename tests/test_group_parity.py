@@ -63,3 +63,46 @@ def test_get_node_local_rank_reads_local_rank(monkeypatch):
         raycoll.get_node_local_rank()
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert raycoll.get_node_local_rank(fallback_rank=5) == 2
+
+
+# ---------------------------------------------------------------------- backend queries, WORLD
+def _queries(rank: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"available": raycoll.is_available()}
+    world = raycoll.group.WORLD
+    out["world_is_default"] = (world is raycoll.GroupMember.WORLD
+                               and isinstance(world, raycoll.ProcessGroup)
+                               and world.size() == raycoll.get_world_size())
+    cuda = "nccl" if raycoll.is_nccl_available() else "objstore"
+    out["backend"] = raycoll.get_backend(), raycoll.get_backend(world)
+    out["config_ok"] = raycoll.get_backend_config() == f"cpu:objstore,cuda:{cuda}"
+    sub = raycoll.new_group([0], backend="CPU:objstore")
+    inherits = raycoll.new_group([0, 1])
+    if rank == 0:
+        out["sub"] = raycoll.get_backend(sub), raycoll.get_backend_config(sub)
+        out["inherits"] = raycoll.get_backend(inherits)
+    else:
+        try:
+            raycoll.get_backend(sub)
+        except ValueError as exc:
+            out["nonmember"] = str(exc)
+        try:
+            raycoll.get_backend_config(sub)
+        except ValueError as exc:
+            out["nonmember_config"] = str(exc)
+    x = np.ones(2)
+    raycoll.all_reduce(x, group=raycoll.group.WORLD)
+    out["sum"] = x.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_backend_queries_and_group_world(ranks):
+    assert raycoll.group.WORLD is None and raycoll.GroupMember.WORLD is None  # the driver
+    first, second = ranks.run(_queries, 2)
+    for got in (first, second):
+        assert got["available"] is True and got["world_is_default"] and got["config_ok"], got
+        assert got["backend"] == ("undefined", "undefined")
+        assert got["sum"] == [2.0, 2.0]
+    assert first["sub"] == ("cpu:objstore", "cpu:objstore")
+    assert first["inherits"] == "undefined"
+    assert second["nonmember"] == second["nonmember_config"] == "Invalid process group specified"

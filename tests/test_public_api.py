@@ -18,7 +18,7 @@ EXPECTED = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
-    "get_node_local_rank",
+    "get_node_local_rank", "is_available", "get_backend", "get_backend_config", "group",
     # collectives
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
