@@ -83,6 +83,40 @@ class GroupMember(metaclass=_WorldMeta):
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
+#: torch's name for its CPU backend names raycoll's own CPU path here: "objstore" (CPU
+#: tensors, and CUDA tensors staged through host memory, as gloo takes them).
+GLOO, GLOO_AS = "gloo", "objstore"
+_gloo_logged = False
+
+
+def _alias(name: str) -> str:
+    return GLOO_AS if name.strip() == GLOO else name.strip()
+
+
+def backend_config(backend: Any) -> BackendConfig:
+    """``BackendConfig(backend)``, where ``"gloo"`` (alone or in a ``device:name`` map such as
+    ``"cpu:gloo,cuda:nccl"``) names raycoll's ``"objstore"``, unless a backend was registered
+    under that name. Logged once per process, at INFO, on the ``raycoll`` logger."""
+    from raycoll.backends import Backend
+
+    if not isinstance(backend, str) or GLOO in Backend.registered():
+        return BackendConfig(backend)
+    pairs = [part.partition(":") for part in backend.strip().lower().split(",")]
+    text = ",".join(f"{d.strip()}:{_alias(n)}" if sep else _alias(d) for d, sep, n in pairs)
+    if not any((n.strip() if sep else d.strip()) == GLOO for d, sep, n in pairs):
+        return BackendConfig(backend)
+    try:
+        config = BackendConfig(text)
+    except ValueError as exc:
+        raise ValueError(f"backend={backend!r} (read as {text!r}): {exc}") from None
+    global _gloo_logged
+    if not _gloo_logged:
+        _gloo_logged = True
+        logger.info("raycoll: backend=%r runs as %r: 'gloo' names raycoll's own CPU path "
+                    "(%r) here; no gloo is started", backend, text, GLOO_AS)
+    return config
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """What a rank needs to join a root group: sent by the driver or built by the rank."""
@@ -567,7 +601,7 @@ def world() -> _World:
 
 def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = None) -> ProcessGroup:
     """Rendezvous with the coordinator as ``rank`` and register the group in this process."""
-    config = BackendConfig(spec.backend)
+    config = backend_config(spec.backend)
     client = CoordinatorClient(spec.coordinator, spec.name)
     info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
@@ -591,7 +625,7 @@ def make_subgroup(parent: ProcessGroup, ranks: Sequence[int], timeout_s: Optiona
     me = parent.global_ranks[parent.rank()]
     if me not in ranks:
         return NON_GROUP_MEMBER
-    config = BackendConfig(backend) if backend is not None else parent.backend_config
+    config = backend_config(backend) if backend is not None else parent.backend_config
     pg = ProcessGroup(name=name, rank=list(ranks).index(me), global_ranks=ranks, root=parent._root,
                       config=config, timeout_s=timeout_s or parent.timeout_s, parent=parent,
                       backend_name=backend if backend is not None else parent._backend_name)

@@ -22,10 +22,9 @@ from ray.actor import ActorHandle
 
 from raycoll import errors
 from raycoll._shipping import ship
-from raycoll.backends import BackendConfig
 from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
-from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
+from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, backend_config, join_root_group, world
 from raycoll.work import to_seconds
 
 logger = logging.getLogger("raycoll")
@@ -77,7 +76,7 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
         raise ValueError("actors must be distinct: the same actor appears twice")
     if not isinstance(group_name, str) or not group_name or "/" in group_name:
         raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
-    BackendConfig(backend)  # reject a bad backend string before starting anything
+    backend_config(backend)  # reject a bad backend string before starting anything
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     with _lock:
         if group_name in _groups:

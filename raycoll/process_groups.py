@@ -22,6 +22,7 @@ from raycoll.group import (
     GroupSpec,
     ProcessGroup,
     _NonMember,
+    backend_config,
     join_root_group,
     make_subgroup,
     world,
@@ -67,7 +68,10 @@ def init_process_group(
     all ``world_size`` ranks have joined or ``timeout`` (default 30 minutes) passes. The first
     root group of a process becomes its default group (``group=None``). ``init_method`` may be
     ``None`` or ``"env://"`` (then ``RANK`` and ``WORLD_SIZE`` come from the environment);
-    rendezvous itself always goes through Ray.
+    rendezvous itself always goes through Ray. ``backend="gloo"`` (or ``"cpu:gloo,..."``)
+    names raycoll's own CPU path, ``"objstore"`` (logged once). As in torch, a process that
+    has a default group gets ValueError("trying to initialize the default process group
+    twice!") unless ``group_name`` names another, additional root group.
     """
     if init_method not in (None, "env://"):
         raise ValueError(f"init_method={init_method!r} is not supported: raycoll rendezvous "
@@ -83,11 +87,16 @@ def init_process_group(
     if not 0 <= me < size:
         raise ValueError(f"rank={me} is out of range for world_size={size}")
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
-    from raycoll.backends import BackendConfig
-
-    BackendConfig(backend)  # reject a bad backend string before anything is sent
+    backend_config(backend)  # reject a bad backend string before anything is sent
     w = world()
     with w.lock:
+        default = w.default
+        if default is not None and group_name in (_DEFAULT_NAME, default.name):
+            raise ValueError(
+                "trying to initialize the default process group twice! (this process's default "
+                f"group is {default.name!r}, formed by raycoll.spawn, create_group or an earlier "
+                "init_process_group: use it as it is, destroy_process_group() it first, or pass "
+                "another group_name= to form one more named group)")
         if group_name in w.groups:
             raise ValueError(f"group {group_name!r} is already initialized in this process; "
                              "destroy_process_group() it first")
@@ -114,6 +123,7 @@ def init_process_group(
 
 
 _RENDEZVOUS_ATTEMPTS = 3
+_DEFAULT_NAME = "default"  # init_process_group's group_name when none is given
 
 
 def destroy_process_group(group: GroupLike = None) -> None:
@@ -291,9 +301,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None, backen
         members.sort()
     seconds = to_seconds(timeout, None)
     if backend is not None:
-        from raycoll.backends import BackendConfig
-
-        BackendConfig(backend)
+        backend_config(backend)
     return make_subgroup(parent, members, seconds, backend)
 
 

@@ -106,3 +106,94 @@ def test_backend_queries_and_group_world(ranks):
     assert first["sub"] == ("cpu:objstore", "cpu:objstore")
     assert first["inherits"] == "undefined"
     assert second["nonmember"] == second["nonmember_config"] == "Invalid process group specified"
+
+
+# ---------------------------------------------------------------------- backend names, twice
+def _gloo_names(rank: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"world": (raycoll.get_backend(), raycoll.get_backend_config())}
+    x = np.full(3, rank + 1.0)
+    raycoll.all_reduce(x)
+    out["sum"] = x.tolist()
+    mixed = raycoll.new_group([0, 1], backend="cpu:gloo,cuda:nccl")
+    out["mixed"] = (raycoll.get_backend(mixed), raycoll.get_backend_config(mixed))
+    y = np.full(2, rank + 1.0)
+    raycoll.all_reduce(y, group=mixed)
+    out["mixed_sum"] = y.tolist()
+    gpu_only = raycoll.new_group([0, 1], backend="nccl")
+    out["nccl"] = raycoll.get_backend_config(gpu_only)
+    try:  # as torch's nccl: CPU tensors are refused, on every rank
+        raycoll.all_reduce(np.ones(2), group=gpu_only)
+    except RuntimeError as exc:
+        out["nccl_cpu"] = [type(exc).__name__, str(exc)]
+    try:
+        raycoll.init_process_group("gloo", world_size=2, rank=rank)
+    except ValueError as exc:
+        out["twice"] = str(exc)
+    z = np.ones(1)
+    raycoll.all_reduce(z)  # the default group is untouched
+    out["after"] = z.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_gloo_names_raycolls_cpu_path_and_a_second_init_raises(ranks):
+    for got in ranks.run(_gloo_names, 2, backend="GLOO"):
+        assert got["world"] == ("gloo", "cpu:objstore,cuda:objstore")
+        assert got["sum"] == [3.0] * 3
+        assert got["mixed"] == ("cpu:gloo,cuda:nccl", "cpu:objstore,cuda:nccl")
+        assert got["mixed_sum"] == [3.0, 3.0]
+        assert got["nccl"] == "cuda:nccl"
+        assert got["nccl_cpu"][0] == "BackendUnavailableError" and "'cpu'" in got["nccl_cpu"][1]
+        assert got["twice"].startswith("trying to initialize the default process group twice!")
+        assert got["after"] == [2.0]
+
+
+def _by_name(rank: int, name: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    raycoll.init_process_group("cpu:gloo", world_size=2, rank=rank, group_name=name, timeout=60)
+    out["backend"] = raycoll.get_backend(), raycoll.get_backend_config()
+    for label, kwargs in (("same_name", {"group_name": name}), ("no_name", {})):
+        try:
+            raycoll.init_process_group("gloo", world_size=2, rank=rank, timeout=5, **kwargs)
+        except ValueError as exc:
+            out[label] = str(exc)
+    x = np.ones(2)
+    raycoll.all_reduce(x)
+    out["sum"] = x.tolist()
+    raycoll.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_init_process_group_by_name_with_gloo_then_twice(rank_actors):
+    import uuid
+
+    import ray
+
+    name = f"gloo-{uuid.uuid4().hex[:6]}"
+    got = ray.get([a.run.remote(_by_name, r, (name,), {}) for r, a in enumerate(rank_actors[:2])],
+                  timeout=90)
+    for out in got:
+        assert out["backend"] == ("cpu:gloo", "cpu:objstore")
+        assert out["sum"] == [2.0, 2.0]
+        for label in ("same_name", "no_name"):
+            assert out[label].startswith("trying to initialize the default process group twice!")
+            assert name in out[label]
+
+
+@pytest.mark.timeout(10)
+def test_the_gloo_alias_is_logged_once_and_bad_strings_name_what_was_given(caplog, monkeypatch):
+    import importlib
+    import logging
+
+    group_module = importlib.import_module("raycoll.group")  # raycoll.group is torch's `group`
+    monkeypatch.setattr(group_module, "_gloo_logged", False)
+    with caplog.at_level(logging.INFO, logger="raycoll"):
+        assert group_module.backend_config("gloo").get_device_backend_map() == \
+            {"cpu": "objstore", "cuda": "objstore"}
+        assert group_module.backend_config("cpu:gloo,cuda:nccl").get_device_backend_map() == \
+            {"cpu": "objstore", "cuda": "nccl"}
+    logged = [r.getMessage() for r in caplog.records if "gloo" in r.getMessage()]
+    assert len(logged) == 1 and "objstore" in logged[0], logged
+    with pytest.raises(ValueError, match="backend='cpu:gloo,cpu:nccl'.*given twice"):
+        group_module.backend_config("cpu:gloo,cpu:nccl")
