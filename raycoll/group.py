@@ -154,9 +154,11 @@ class ProcessGroup:
         timeout_s: float,
         parent: Optional["ProcessGroup"] = None,
         backend_name: Optional[str] = None,
+        group_desc: Optional[str] = None,
     ) -> None:
         self._name = name
         self._backend_name = backend_name
+        self._group_desc = group_desc
         self._rank = rank
         self._global_ranks = tuple(global_ranks)
         self._root = root
@@ -227,6 +229,14 @@ class ProcessGroup:
         ``None``), as torch's ``get_backend`` reports it; :attr:`backend_config` is the map."""
         given = self._backend_name
         return "undefined" if given is None else given.strip().lower()
+
+    @property
+    def group_desc(self) -> str:
+        """The description given to ``new_group(group_desc=...)``; else torch's defaults,
+        ``"default_pg"`` for this process's default group and ``"undefined"`` otherwise."""
+        if self._group_desc is not None:
+            return self._group_desc
+        return "default_pg" if _WORLD.default is self else "undefined"
 
     @property
     def root_name(self) -> str:
@@ -619,7 +629,8 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
 
 
 def make_subgroup(parent: ProcessGroup, ranks: Sequence[int], timeout_s: Optional[float],
-                  backend: Optional[str]) -> Union[ProcessGroup, _NonMember]:
+                  backend: Optional[str], group_desc: Optional[str] = None
+                  ) -> Union[ProcessGroup, _NonMember]:
     """A subgroup of ``parent`` (global ``ranks``); ``NON_GROUP_MEMBER`` if we are not in it."""
     name = parent.next_subgroup_name(ranks)
     me = parent.global_ranks[parent.rank()]
@@ -628,6 +639,7 @@ def make_subgroup(parent: ProcessGroup, ranks: Sequence[int], timeout_s: Optiona
     config = backend_config(backend) if backend is not None else parent.backend_config
     pg = ProcessGroup(name=name, rank=list(ranks).index(me), global_ranks=ranks, root=parent._root,
                       config=config, timeout_s=timeout_s or parent.timeout_s, parent=parent,
-                      backend_name=backend if backend is not None else parent._backend_name)
+                      backend_name=backend if backend is not None else parent._backend_name,
+                      group_desc=group_desc)
     world().add(pg, make_default=False)
     return pg

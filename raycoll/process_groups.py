@@ -71,13 +71,17 @@ def init_process_group(
     rendezvous itself always goes through Ray. ``backend="gloo"`` (or ``"cpu:gloo,..."``)
     names raycoll's own CPU path, ``"objstore"`` (logged once). As in torch, a process that
     has a default group gets ValueError("trying to initialize the default process group
-    twice!") unless ``group_name`` names another, additional root group.
+    twice!") unless ``group_name`` names another, additional root group. ``device_id``: a CPU
+    device, or the GPU Ray assigned this rank (to which raycoll binds it anyway); another
+    device, or any ``pg_options``, raises ValueError instead of being ignored.
     """
     if init_method not in (None, "env://"):
         raise ValueError(f"init_method={init_method!r} is not supported: raycoll rendezvous "
                          "through Ray; pass None (or 'env://' to read RANK/WORLD_SIZE)")
     if store is not None:
         raise ValueError("store= is not supported: raycoll's coordinator actor is the store")
+    _refuse_pg_options(pg_options, "init_process_group")
+    _check_device_id(device_id, "init_process_group")
     if not isinstance(group_name, str) or not group_name or "/" in group_name:
         raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
     size = _int_arg(world_size, "world_size", "WORLD_SIZE")
@@ -274,17 +278,27 @@ def _default() -> ProcessGroup:
 
 def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None, backend: Optional[str] = None,
               pg_options: Any = None, use_local_synchronization: bool = False,
-              group_desc: Optional[str] = None, device_id: Any = None,
-              group: GroupLike = None) -> Union[ProcessGroup, _NonMember]:
+              group_desc: Optional[str] = None, device_id: Any = None, sort_ranks: bool = True,
+              group: GroupLike = None) -> Union[ProcessGroup, _NonMember, None]:
     """A subgroup of the default group (or of ``group``) with the given global ``ranks``.
 
     As in torch, every rank of the parent should call it, in the same order as the other
-    ranks; ranks outside the subgroup get ``GroupMember.NON_GROUP_MEMBER``. No communication
-    is needed: members derive the same name and share the parent's coordinator.
+    ranks; ranks outside the subgroup get ``GroupMember.NON_GROUP_MEMBER``, or ``None`` with
+    ``use_local_synchronization=True`` (then, as in torch, non-members need not call it). No
+    communication is needed: members derive the same name and share the parent's
+    coordinator. ``sort_ranks=False`` keeps the order of ``ranks`` as the group ranks;
+    ``group_desc`` is kept as the group's ``group_desc``; ``device_id`` may be a CPU device
+    or this rank's GPU (see :func:`init_process_group`); ``pg_options`` raises ValueError:
+    raycoll's backends take no process-group options.
     """
+    _refuse_pg_options(pg_options, "new_group")
+    _check_device_id(device_id, "new_group")
     parent = _default() if group is None else _member(group)
     if isinstance(parent, _NonMember):
         raise ValueError("new_group: this process is not a member of the parent group")
+    me = parent.global_ranks[parent.rank()]
+    if use_local_synchronization and ranks is not None and me not in ranks:
+        return None  # torch's answer to a non-member under local synchronization
     if ranks is None or len(ranks) == 0:
         members = list(parent.global_ranks)
     else:
@@ -298,11 +312,55 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None, backen
             members.append(r)
         if len(set(members)) != len(members):
             raise ValueError(f"ranks must be unique, got {list(ranks)}")
-        members.sort()
+        if sort_ranks:
+            members.sort()
+    if group_desc is not None and not isinstance(group_desc, str):
+        raise TypeError(f"group_desc must be a str or None, got {group_desc!r}")
     seconds = to_seconds(timeout, None)
     if backend is not None:
         backend_config(backend)
-    return make_subgroup(parent, members, seconds, backend)
+    return make_subgroup(parent, members, seconds, backend, group_desc=group_desc)
+
+
+def _refuse_pg_options(pg_options: Any, where: str) -> None:
+    if pg_options is not None:
+        raise ValueError(f"{where}: pg_options={pg_options!r} cannot be honoured: raycoll's "
+                         "backends take no process-group options (torch's gloo/NCCL Options); "
+                         "pass None")
+
+
+def _check_device_id(device_id: Any, where: str) -> None:
+    """torch's ``device_id`` binds the process to one device. raycoll binds each rank to the
+    GPU Ray assigned it (``actor_options={"num_gpus": 1}``), so a CPU device, or that GPU, is
+    accepted (nothing more to bind) and any other device refused."""
+    if device_id is None:
+        return
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        kind, index = "cuda", device_id  # torch: an int is an accelerator index
+    elif isinstance(device_id, str) or hasattr(device_id, "type"):
+        text = str(device_id)
+        kind, _, tail = text.partition(":")
+        index = int(tail) if tail.isdigit() else None
+        if tail and index is None:
+            raise ValueError(f"{where}: device_id={device_id!r} is not a device")
+    else:
+        raise TypeError(f"{where}: device_id must be a torch.device, a device string, an int or "
+                        f"None, got {device_id!r}")
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise ValueError(f"{where}: device_id={device_id!r}: raycoll serves cpu and cuda devices")
+    if index is None:
+        raise ValueError(f"{where}: Please use a device_id with index (got {device_id!r}).")
+    from raycoll.backends._cuda import ray_assigned_device
+
+    assigned = ray_assigned_device()
+    if assigned != index:
+        mine = "no GPU" if assigned is None else f"cuda:{assigned}"
+        raise ValueError(
+            f"{where}: device_id={device_id!r} cannot be honoured: raycoll binds each rank to "
+            f"the GPU Ray assigned it, and this rank has {mine} (start the ranks with "
+            "actor_options={'num_gpus': 1}, and pass that device or no device_id)")
 
 
 def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, timeout: Any = None,
@@ -314,6 +372,7 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
     ``group_size=None`` groups the ranks that share this rank's node (count taken from the
     coordinator's view). Returns ``(this rank's subgroup, all subgroups)``.
     """
+    _refuse_pg_options(pg_options, "new_subgroups")
     parent = _default() if group is None else _member(group)
     if isinstance(parent, _NonMember):
         raise ValueError("new_subgroups: this process is not a member of the parent group")
@@ -331,7 +390,8 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
     me = parent.global_ranks[parent.rank()]
     for start in range(0, size, group_size):
         members = ranks[start:start + group_size]
-        sub = new_group(members, timeout=timeout, backend=backend, group=parent)
+        sub = new_group(members, timeout=timeout, backend=backend, group_desc=group_desc,
+                        group=parent)
         subgroups.append(sub)
         if me in members:
             mine = sub

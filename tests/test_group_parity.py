@@ -197,3 +197,59 @@ def test_the_gloo_alias_is_logged_once_and_bad_strings_name_what_was_given(caplo
     assert len(logged) == 1 and "objstore" in logged[0], logged
     with pytest.raises(ValueError, match="backend='cpu:gloo,cpu:nccl'.*given twice"):
         group_module.backend_config("cpu:gloo,cpu:nccl")
+
+
+# ---------------------------------------------------------------------- arguments, honoured or refused
+def _arguments(rank: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+
+    def error(fn: Any) -> Any:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            return [type(exc).__name__, str(exc)]
+        return None
+
+    out["init_pg_options"] = error(lambda: raycoll.init_process_group(
+        world_size=2, rank=rank, group_name="other", pg_options=object()))
+    out["init_device"] = error(lambda: raycoll.init_process_group(
+        world_size=2, rank=rank, group_name="other", device_id=1))
+    out["new_pg_options"] = error(lambda: raycoll.new_group([0, 1], pg_options={"x": 1}))
+    out["subgroups_pg_options"] = error(lambda: raycoll.new_subgroups(1, pg_options=object()))
+    out["no_index"] = error(lambda: raycoll.new_group([0, 1], device_id="cuda"))
+    out["gpu"] = error(lambda: raycoll.new_group([0, 1], device_id="cuda:0"))
+    cpu = raycoll.new_group([0, 1], device_id="cpu", group_desc="tp")
+    out["desc"] = cpu.group_desc, raycoll.group.WORLD.group_desc
+    # local synchronization: each rank asks only for its own group; non-members get None
+    local = raycoll.new_group([rank], use_local_synchronization=True)
+    other = raycoll.new_group([1 - rank], use_local_synchronization=True)
+    out["local"] = (raycoll.get_process_group_ranks(local), other)
+    # sort_ranks=False: the order given is the group-rank order
+    reverse = raycoll.new_group([1, 0], sort_ranks=False)
+    out["reverse"] = raycoll.get_process_group_ranks(reverse), raycoll.get_rank(reverse)
+    b = np.full(1, float(rank))
+    raycoll.broadcast(b, group_src=0, group=reverse)
+    out["reverse_bcast"] = b.tolist()
+    _, subs = raycoll.new_subgroups(1, group_desc="solo")
+    out["sub_desc"] = [s.group_desc for s in subs if isinstance(s, raycoll.ProcessGroup)]
+    x = np.ones(2)
+    raycoll.all_reduce(x, group=cpu)
+    out["sum"] = x.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_arguments_raycoll_cannot_honour_raise_the_others_are_honoured(ranks):
+    for rank, got in enumerate(ranks.run(_arguments, 2)):
+        for key in ("init_pg_options", "new_pg_options", "subgroups_pg_options"):
+            assert got[key][0] == "ValueError" and "pg_options" in got[key][1], got[key]
+        assert got["init_device"][0] == "ValueError" and "device_id=1" in got["init_device"][1]
+        assert "no GPU" in got["init_device"][1] and "num_gpus" in got["init_device"][1]
+        assert "with index" in got["no_index"][1]
+        assert got["gpu"][0] == "ValueError" and "cannot be honoured" in got["gpu"][1]
+        assert got["desc"] == ("tp", "default_pg")
+        assert got["local"] == ([rank], None)
+        assert got["reverse"] == ([1, 0], 1 - rank)
+        assert got["reverse_bcast"] == [1.0]
+        assert got["sub_desc"] == ["solo"]
+        assert got["sum"] == [2.0, 2.0]
