@@ -9,7 +9,7 @@ first rank to arrive starts; no driver help is needed. Groups formed from the dr
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import ray
 
@@ -33,7 +33,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "get_node_local_rank", "is_available",
-    "get_backend", "get_backend_config",
+    "get_backend", "get_backend_config", "new_subgroups_by_enumeration", "split_group",
 ]
 
 
@@ -385,14 +385,110 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
     if group_size > size or size % group_size:
         raise ValueError(f"group_size={group_size} must divide the group size {size}")
     ranks = list(parent.global_ranks)
-    subgroups = []
-    mine: Union[ProcessGroup, _NonMember] = NON_GROUP_MEMBER
+    lists = [ranks[start:start + group_size] for start in range(0, size, group_size)]
+    mine, subgroups = _by_enumeration(parent, lists, timeout, backend, group_desc)
+    return (NON_GROUP_MEMBER if mine is None else mine), subgroups
+
+
+Subgroups = Tuple[Optional[Union[ProcessGroup, _NonMember]], List[Union[ProcessGroup, _NonMember]]]
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: Any = None, backend: Optional[str] = None,
+                                 pg_options: Any = None,
+                                 group_desc: Optional[str] = None) -> Subgroups:
+    """Subgroups of the default group with the given global ranks, which must not overlap
+    (torch's). Every rank calls it alike; returns ``(this rank's subgroup, or None if it is in
+    none, all subgroups)`` (``NON_GROUP_MEMBER`` where this rank is not a member). Overlapping
+    lists raise ValueError before any group is made."""
+    _refuse_pg_options(pg_options, "new_subgroups_by_enumeration")
+    return _by_enumeration(_default(), ranks_per_subgroup_list, timeout, backend, group_desc)
+
+
+def _by_enumeration(parent: ProcessGroup, lists: Sequence[Sequence[int]], timeout: Any,
+                    backend: Optional[str], group_desc: Optional[str]) -> Subgroups:
+    if lists is None or len(lists) == 0:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    seen: Dict[int, List[int]] = {}
+    for ranks in lists:  # checked before any group is made
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or r not in parent.global_ranks:
+                raise ValueError(f"ranks_per_subgroup_list: {r!r} is not a rank of group "
+                                 f"{parent.name!r} (its ranks: {list(parent.global_ranks)})")
+            if r in seen:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {seen[r]} and "
+                                 f"{list(ranks)}")
+            seen[r] = list(ranks)
     me = parent.global_ranks[parent.rank()]
-    for start in range(0, size, group_size):
-        members = ranks[start:start + group_size]
-        sub = new_group(members, timeout=timeout, backend=backend, group_desc=group_desc,
+    mine: Optional[Union[ProcessGroup, _NonMember]] = None
+    subgroups = []
+    for ranks in lists:
+        sub = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc,
                         group=parent)
         subgroups.append(sub)
-        if me in members:
+        if me in ranks:
             mine = sub
     return mine, subgroups
+
+
+def split_group(parent_pg: GroupLike = None, split_ranks: Optional[Sequence[Sequence[int]]] = None,
+                timeout: Any = None, pg_options: Any = None, group_desc: Optional[str] = None,
+                backend: Optional[str] = None) -> Optional[ProcessGroup]:
+    """torch's ``split_group``: ``split_ranks`` lists disjoint sets of *group* ranks of
+    ``parent_pg`` (default: the default group); this rank gets the subgroup of the set it is
+    in (group ranks in sorted order), or ``None`` if it is in none. Every rank of the parent
+    calls it alike. torch needs a device-bound NCCL parent; raycoll's subgroups need no
+    communicator to split, so any raycoll group splits, CPU and GPU alike. ``backend`` keeps a
+    subset of the parent's per-device backends (each named device with the parent's name for
+    it); ``pg_options`` raises ValueError."""
+    _refuse_pg_options(pg_options, "split_group")
+    if split_ranks is None or len(split_ranks) == 0:
+        raise ValueError("split_ranks cannot be None or empty")
+    parent = _default() if parent_pg is None else _member(parent_pg)
+    if isinstance(parent, _NonMember):
+        me = world().default
+        raise ValueError(f"Global rank {me.global_ranks[me.rank()] if me else '?'} is not part "
+                         "of the parent group")
+    size = parent.size()
+    mine: Optional[List[int]] = None
+    seen: Dict[int, List[int]] = {}
+    for ranks in split_ranks:
+        if len(ranks) == 0:
+            raise ValueError("the split group cannot be empty")
+        if len(ranks) > size:
+            raise ValueError("the split group's size should be less or equal to the world_size "
+                             "set by init_process_group")
+        if len(ranks) != len(set(ranks)):
+            raise ValueError("the split group cannot have duplicate ranks")
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < size:
+                raise ValueError(f"split_ranks: {r!r} is not a group rank of the parent group "
+                                 f"{parent.name!r} (0..{size - 1})")
+            if r in seen:
+                raise ValueError(f"split_ranks: group rank {r} is in both {seen[r]} and "
+                                 f"{list(ranks)}; the splits must not overlap")
+            seen[r] = list(ranks)
+        if parent.rank() in ranks and mine is None:
+            mine = sorted(ranks)
+    child = _split_backend(parent, backend)
+    if mine is None:
+        return None
+    members = [parent.global_ranks[r] for r in mine]
+    sub = make_subgroup(parent, members, to_seconds(timeout, None), child, group_desc=group_desc)
+    return sub if isinstance(sub, ProcessGroup) else None
+
+
+def _split_backend(parent: ProcessGroup, backend: Optional[str]) -> Optional[str]:
+    """``split_group``'s ``backend``: a subset of the parent's device map, checked."""
+    if backend is None:
+        return None
+    have = parent.backend_config.get_device_backend_map()
+    for device, name in backend_config(backend).get_device_backend_map().items():
+        if device not in have:
+            raise ValueError(f"Requested backend for device '{device}' is not present in the "
+                             f"parent process group (parent backends: {have})")
+        if have[device] != name:
+            raise ValueError(f"Backend mismatch for device '{device}': parent has "
+                             f"'{have[device]}', requested '{name}'. Backend names must match "
+                             "exactly when filtering split_group backends.")
+    return backend

@@ -253,3 +253,70 @@ def test_arguments_raycoll_cannot_honour_raise_the_others_are_honoured(ranks):
         assert got["reverse_bcast"] == [1.0]
         assert got["sub_desc"] == ["solo"]
         assert got["sum"] == [2.0, 2.0]
+
+
+# ---------------------------------------------------------------------- subgroup helpers
+def _enumerate_and_split(rank: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+
+    def error(fn: Any) -> Any:
+        try:
+            fn()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    cur, subs = raycoll.new_subgroups_by_enumeration([[0, 2], [1]], group_desc="enum")
+    out["enum"] = (None if cur is None else raycoll.get_process_group_ranks(cur),
+                   [s is raycoll.GroupMember.NON_GROUP_MEMBER for s in subs],
+                   None if cur is None else cur.group_desc)
+    if cur is not None:
+        x = np.full(1, float(rank))
+        raycoll.all_reduce(x, group=cur)
+        out["enum_sum"] = x.tolist()
+    out["enum_empty"] = error(lambda: raycoll.new_subgroups_by_enumeration([]))
+    out["enum_overlap"] = error(lambda: raycoll.new_subgroups_by_enumeration([[0, 1], [1, 2]]))
+    # split_group: group ranks of the parent; here the parent is ranks [1, 2, 0] (sort_ranks=False)
+    parent = raycoll.new_group([1, 2, 0], sort_ranks=False)
+    child = raycoll.split_group(parent, [[2, 0]], backend="cpu:objstore")
+    out["split"] = None if child is None else (raycoll.get_process_group_ranks(child),
+                                                raycoll.get_backend(child))
+    if child is not None:
+        y = np.full(1, float(rank + 1))
+        raycoll.all_reduce(y, group=child)
+        out["split_sum"] = y.tolist()
+    whole = raycoll.split_group(split_ranks=[[0], [1, 2]])
+    out["whole"] = raycoll.get_process_group_ranks(whole)
+    out["split_empty"] = error(lambda: raycoll.split_group(split_ranks=[]))
+    out["split_dup"] = error(lambda: raycoll.split_group(split_ranks=[[0, 0]]))
+    out["split_overlap"] = error(lambda: raycoll.split_group(split_ranks=[[0, 1], [1]]))
+    out["split_range"] = error(lambda: raycoll.split_group(split_ranks=[[0, 3]]))
+    cpu_only = raycoll.new_group(backend="cpu:gloo")
+    out["split_backend"] = error(lambda: raycoll.split_group(cpu_only, [[0]],
+                                                             backend="cuda:objstore"))
+    z = np.ones(1)
+    raycoll.all_reduce(z)
+    out["after"] = z.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_new_subgroups_by_enumeration_and_split_group(ranks):
+    got = ranks.run(_enumerate_and_split, 3)
+    assert [g["enum"] for g in got] == [([0, 2], [False, True], "enum"),
+                                        ([1], [True, False], "enum"),
+                                        ([0, 2], [False, True], "enum")]
+    assert [g["enum_sum"] for g in got] == [[2.0], [1.0], [2.0]]
+    # parent group ranks 2, 0 are global ranks 0, 1; sorted: [2, 0] -> group ranks [0, 2]
+    assert [g["split"] for g in got] == [([1, 0], "cpu:objstore"), ([1, 0], "cpu:objstore"), None]
+    assert [g.get("split_sum") for g in got] == [[3.0], [3.0], None]
+    assert [g["whole"] for g in got] == [[0], [1, 2], [1, 2]]
+    for g in got:
+        assert g["enum_empty"] == "The arg 'ranks_per_subgroup_list' cannot be empty"
+        assert g["enum_overlap"] == "Rank 1 has appeared in both subgroup [0, 1] and [1, 2]"
+        assert g["split_empty"] == "split_ranks cannot be None or empty"
+        assert g["split_dup"] == "the split group cannot have duplicate ranks"
+        assert "must not overlap" in g["split_overlap"]
+        assert "not a group rank" in g["split_range"]
+        assert g["split_backend"].startswith("Requested backend for device 'cuda' is not present")
+        assert g["after"] == [3.0]

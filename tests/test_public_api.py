@@ -19,6 +19,7 @@ EXPECTED = [
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
     "get_node_local_rank", "is_available", "get_backend", "get_backend_config", "group",
+    "new_subgroups_by_enumeration", "split_group",
     # collectives
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
