@@ -58,11 +58,12 @@ def init_process_group(
     world_size: int = -1,
     rank: int = -1,
     store: Any = None,
-    group_name: str = "default",
+    group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
 ) -> ProcessGroup:
-    """Join (and, if first, create) the group ``group_name`` as ``rank`` of ``world_size``.
+    """Join (and, if first, create) the group ``group_name`` (``""``, torch's default: the
+    group named ``"default"``) as ``rank`` of ``world_size``.
 
     Called by every rank, inside Ray actors (or tasks, or drivers) of one Ray job. Blocks until
     all ``world_size`` ranks have joined or ``timeout`` (default 30 minutes) passes. The first
@@ -82,8 +83,10 @@ def init_process_group(
         raise ValueError("store= is not supported: raycoll's coordinator actor is the store")
     _refuse_pg_options(pg_options, "init_process_group")
     _check_device_id(device_id, "init_process_group")
+    if group_name == "":  # torch's default: the default group's name
+        group_name = _DEFAULT_NAME
     if not isinstance(group_name, str) or not group_name or "/" in group_name:
-        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
+        raise ValueError(f"group_name must be a str without '/', got {group_name!r}")
     size = _int_arg(world_size, "world_size", "WORLD_SIZE")
     me = _int_arg(rank, "rank", "RANK")
     if size < 1:
@@ -380,10 +383,15 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
     if group_size is None:
         nodes = parent.context.node_ids
         group_size = nodes.count(nodes[parent.rank()])
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if group_size > size or size % group_size:
-        raise ValueError(f"group_size={group_size} must divide the group size {size}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+    if group_size <= 0:  # torch's messages
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    if size < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size "
+                         f"({size})")
+    if size % group_size:
+        raise ValueError(f"The world size ({size}) must be divisible by '{group_size=}'")
     ranks = list(parent.global_ranks)
     lists = [ranks[start:start + group_size] for start in range(0, size, group_size)]
     mine, subgroups = _by_enumeration(parent, lists, timeout, backend, group_desc)
