@@ -19,6 +19,7 @@ travel as contiguous copies; results are copied back before the work completes.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -594,3 +595,10 @@ class RaycollProcessGroup(dist.ProcessGroup):
         """raycoll's monitored barrier (torch's frontend only lets gloo groups call it; call
         ``group.monitored_barrier(...)`` on this group directly)."""
         raycoll.monitored_barrier(group=self._rc, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+# Imported before torch (``import raycoll._torch_pg`` first), this module's ``import torch``
+# ran torch_backend's post-import hook while the module was half-defined: register now.
+from raycoll import torch_backend as _torch_backend  # noqa: E402 - needs the names above
+
+_torch_backend._register_with(sys.modules[__name__], dist)

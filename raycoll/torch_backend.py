@@ -51,19 +51,30 @@ def register() -> bool:
 
     Idempotent. Returns ``False`` when torch has no distributed support in this build.
     """
+    if _registered:
+        return True
+    # Imported outside the lock: a first ``import torch`` runs the post-import hook, which
+    # calls this function again (same thread) before the import returns.
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    pending = sys.modules.get("raycoll._torch_pg")
+    if pending is not None and not _fully_imported(pending):
+        return False  # its own ``import torch`` ran the hook: it registers once defined
+    from raycoll import _torch_pg
+
+    _register_with(_torch_pg, dist)
+    return True
+
+
+def _register_with(torch_pg: Any, dist: Any) -> None:
+    """Register through ``raycoll._torch_pg`` (once per process)."""
     global _registered
     with _lock:
-        if _registered:
-            return True
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return False
-        from raycoll import _torch_pg
-
-        _torch_pg.register(dist)
-        _registered = True
-        return True
+        if not _registered:
+            torch_pg.register(dist)
+            _registered = True
 
 
 def is_registered() -> bool:

@@ -499,6 +499,29 @@ def test_import_raycoll_does_not_import_torch_and_registers_once_torch_is():
         assert got == {"registered": True}, done.stderr
 
 
+# Other ways into the backend: register() by hand before torch is imported (it imports torch,
+# whose import runs the hook, which calls register() again), and the private module first
+# (its own ``import torch`` runs the hook while it is half-defined).
+_IMPORT_ORDERS = {
+    "register_before_torch": "import raycoll.torch_backend as tb\nassert tb.register()",
+    "torch_pg_first": "import raycoll._torch_pg",
+    "torch_then_torch_pg": "import torch\nimport raycoll._torch_pg",
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_the_backend_registers_in_every_import_order(order):
+    script = _IMPORT_ORDERS[order] + (
+        "\nimport torch.distributed as dist\n"
+        "print('registered', 'raycoll' in dist.Backend.backend_list)")
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "registered True", done.stderr
+    assert "could not register" not in done.stderr
+
+
 @pytest.mark.timeout(30)
 def test_outside_a_raycoll_rank_the_error_says_what_to_do():
     import torch.distributed as dist
