@@ -326,7 +326,10 @@ class RaycollWork(dist.Work):
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 self._error = exc
         if self._error is not None:
-            self._settled.set_exception(self._error)
+            error = self._error
+            if not isinstance(error, Exception):  # torch's set_exception refuses the rest,
+                error = RuntimeError(f"{type(error).__name__}: {error}")  # never completing
+            self._settled.set_exception(error)
         else:
             self._settled.set_result(self._outputs)
 
