@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, urlparse
@@ -336,8 +337,9 @@ class RaycollWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the operation; raise raycoll's error (typed) if it failed."""
         seconds = _seconds(timeout)
-        for work in self._works:
-            work.wait(seconds)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        for work in self._works:  # one timeout for them all, as torch's wait(timeout)
+            work.wait(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
         self._future.wait()  # the copies back are done too
         return True
 
