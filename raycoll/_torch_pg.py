@@ -505,12 +505,9 @@ class RaycollProcessGroup(dist.ProcessGroup):
         if len(output_lists) != self.size():
             raise ValueError(f"output_tensor_lists must have one list per rank ({self.size()}), "
                              f"got {len(output_lists)}")
-        calls = [(self._allgather_one, ([output_lists[r][i] for r in range(self.size())], t))
+        calls = [(self.allgather, ([[output_lists[r][i] for r in range(self.size())]], [t]))
                  for i, t in enumerate(input_list)]
         return self._coalesced(calls, [t for lst in output_lists for t in lst], opts)
-
-    def _allgather_one(self, outs: List[torch.Tensor], t: torch.Tensor, opts: Any) -> RaycollWork:
-        return self.allgather([outs], [t], opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> RaycollWork:
@@ -531,10 +528,8 @@ class RaycollProcessGroup(dist.ProcessGroup):
     def _coalesced(self, calls: List[Tuple[Callable[..., RaycollWork], tuple]],
                    outputs: List[torch.Tensor], opts: Any) -> RaycollWork:
         works = [fn(*args, opts) for fn, args in calls]
-        waiting = [w for w in works if w._works]
-        if not waiting:
-            return RaycollWork([], outputs)
-        return RaycollWork(waiting, outputs)  # torch futures of the parts, waited alike
+        # the parts still running (none when they ran synchronously), waited alike
+        return RaycollWork([w for w in works if w._works], outputs)
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                opts: Any = None) -> RaycollWork:
