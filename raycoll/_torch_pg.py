@@ -408,12 +408,11 @@ class RaycollProcessGroup(dist.ProcessGroup):
         self.shutdown()
 
     # -- the one path every operation takes
-    def _launch(self, opts: Any, outputs: List[torch.Tensor], stage: Optional[_Stage],
-                start: _STARTED, finish: Optional[Callable[[], None]] = None) -> RaycollWork:
+    def _launch(self, opts: Any, outputs: List[torch.Tensor],
+                finish: Optional[Callable[[], None]], start: _STARTED) -> RaycollWork:
         """Run ``start(async_op)``: at once when torch's ``opts.asyncOp`` is false, else as a
-        work that runs ``stage.finish`` (or ``finish``) before it completes."""
-        if stage is not None:
-            finish = stage.finish
+        work that runs ``finish`` (the copies back, e.g. ``_Stage.finish``) before it
+        completes."""
         if opts is not None and not getattr(opts, "asyncOp", True):
             start(False)
             if finish is not None:
@@ -428,7 +427,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         op, stage = _reduce_op(opts), _Stage()
         x = stage.out(t, reduce=True)
-        return self._launch(opts, [t], stage,
+        return self._launch(opts, [t], stage.finish,
                             lambda a: raycoll.all_reduce(x, op=op, group=self._rc, async_op=a))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
@@ -448,14 +447,14 @@ class RaycollProcessGroup(dist.ProcessGroup):
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
 
-        return self._launch(opts, list(tensors), None, lambda a: raycoll.all_reduce(
-            flat, op=op, group=self._rc, async_op=a), finish)
+        return self._launch(opts, list(tensors), finish, lambda a: raycoll.all_reduce(
+            flat, op=op, group=self._rc, async_op=a))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         t = _one(tensors, "reduce")
         op, stage, root = _reduce_op(opts), _Stage(), _root(opts)
         x = stage.out(t, reduce=True)
-        return self._launch(opts, [t], stage, lambda a: raycoll.reduce(
+        return self._launch(opts, [t], stage.finish, lambda a: raycoll.reduce(
             x, op=op, group=self._rc, async_op=a, group_dst=root))
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor],
@@ -464,14 +463,14 @@ class RaycollProcessGroup(dist.ProcessGroup):
         op, stage = _reduce_op(opts), _Stage()
         o = stage.out(out, reduce=True)
         i = [stage.inp(t, reduce=True) for t in ins]
-        return self._launch(opts, [out], stage, lambda a: raycoll.reduce_scatter(
+        return self._launch(opts, [out], stage.finish, lambda a: raycoll.reduce_scatter(
             o, i, op=op, group=self._rc, async_op=a))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> RaycollWork:
         op, stage = _reduce_op(opts), _Stage()
         o, i = stage.out(output, reduce=True), stage.inp(input, reduce=True)
-        return self._launch(opts, [output], stage, lambda a: raycoll.reduce_scatter_tensor(
+        return self._launch(opts, [output], stage.finish, lambda a: raycoll.reduce_scatter_tensor(
             o, i, op=op, group=self._rc, async_op=a))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -488,7 +487,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "broadcast")
         stage, root = _Stage(), _root(opts)
         x = stage.out(t) if self._rc.rank() != root else stage.inp(t)
-        return self._launch(opts, [t], stage, lambda a: raycoll.broadcast(
+        return self._launch(opts, [t], stage.finish, lambda a: raycoll.broadcast(
             x, group=self._rc, async_op=a, group_src=root))
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
@@ -496,7 +495,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
         outs, t = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
         stage = _Stage()
         o, i = [stage.out(x) for x in outs], stage.inp(t)
-        return self._launch(opts, list(outs), stage, lambda a: raycoll.all_gather(
+        return self._launch(opts, list(outs), stage.finish, lambda a: raycoll.all_gather(
             o, i, group=self._rc, async_op=a))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
@@ -513,7 +512,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
                           opts: Any = None) -> RaycollWork:
         stage = _Stage()
         o, i = stage.out(output), stage.inp(input)
-        return self._launch(opts, [output], stage, lambda a: raycoll.all_gather_into_tensor(
+        return self._launch(opts, [output], stage.finish, lambda a: raycoll.all_gather_into_tensor(
             o, i, group=self._rc, async_op=a))
 
     _allgather_base = all_gather_single
@@ -537,7 +536,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
         outs = list(output_tensors[0]) if self._rc.rank() == root and output_tensors else None
         o = [stage.out(x) for x in outs] if outs is not None else None
         i = stage.inp(t)
-        return self._launch(opts, outs or [], stage, lambda a: raycoll.gather(
+        return self._launch(opts, outs or [], stage.finish, lambda a: raycoll.gather(
             i, o, group=self._rc, async_op=a, group_dst=root))
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
@@ -546,14 +545,14 @@ class RaycollProcessGroup(dist.ProcessGroup):
         ins = list(input_tensors[0]) if self._rc.rank() == root and input_tensors else None
         i = [stage.inp(x) for x in ins] if ins is not None else None
         o = stage.out(t)
-        return self._launch(opts, [t], stage, lambda a: raycoll.scatter(
+        return self._launch(opts, [t], stage.finish, lambda a: raycoll.scatter(
             o, i, group=self._rc, async_op=a, group_src=root))
 
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts: Any = None) -> RaycollWork:
         stage = _Stage()
         o, i = [stage.out(x) for x in output_tensors], [stage.inp(x) for x in input_tensors]
-        return self._launch(opts, list(output_tensors), stage, lambda a: raycoll.all_to_all(
+        return self._launch(opts, list(output_tensors), stage.finish, lambda a: raycoll.all_to_all(
             o, i, group=self._rc, async_op=a))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -563,7 +562,7 @@ class RaycollProcessGroup(dist.ProcessGroup):
         o, i = stage.out(output), stage.inp(input)
         outs = [int(s) for s in output_split_sizes] or None
         ins = [int(s) for s in input_split_sizes] or None
-        return self._launch(opts, [output], stage, lambda a: raycoll.all_to_all_single(
+        return self._launch(opts, [output], stage.finish, lambda a: raycoll.all_to_all_single(
             o, i, outs, ins, group=self._rc, async_op=a))
 
     alltoall_base = all_to_all_single
