@@ -22,11 +22,12 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import ray
 
 import raycoll
+from raycoll.launch import start_ray
 
 
 def make_model(params_m: float, width: int = 2048) -> Any:
@@ -46,6 +47,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _step_times(model: Any, x: Any, cfg: Dict[str, Any],
+                before: Callable[[], Any] = lambda: None) -> List[float]:
+    """Seconds of each of ``cfg["steps"]`` training steps (forward, backward, SGD step),
+    after ``cfg["warmup"]`` untimed ones; ``before()`` runs untimed ahead of every step."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    times = []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        before()
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= cfg["warmup"]:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any]) -> List[float]:
     import torch
     import torch.distributed as dist
@@ -59,19 +79,9 @@ def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any]) -> List
                                 world_size=cfg["world_size"])
     try:
         model = DDP(make_model(cfg["params"]))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(cfg["batch"], 2048, generator=g)
-        times = []
-        for i in range(cfg["warmup"] + cfg["steps"]):
-            dist.barrier()
-            start = time.perf_counter()
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            if i >= cfg["warmup"]:
-                times.append(time.perf_counter() - start)
-        return times
+        return _step_times(model, x, cfg, before=dist.barrier)
     finally:
         dist.destroy_process_group()
 
@@ -93,18 +103,9 @@ def compute_only(cfg: Dict[str, Any]) -> float:
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    model = make_model(cfg["params"])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model = make_model(cfg["params"])  # seeds torch's generator: x after it, as before
     x = torch.randn(cfg["batch"], 2048)
-    times = []
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        start = time.perf_counter()
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_step_times(model, x, cfg))
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -121,8 +122,11 @@ def main(argv: Sequence[str] = ()) -> int:
     cfg = {"world_size": args.world_size, "params": args.params, "batch": args.batch,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
            "threads": args.threads}
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    if not ray.is_initialized():  # as raycoll.spawn would (raycoll's object-free period):
+        if os.environ.get("RAY_ADDRESS"):  # the cluster in RAY_ADDRESS, else a Ray of its own
+            start_ray()
+        else:
+            start_ray(address="local", include_dashboard=False)
     ports = [_free_port() for _ in range(args.rounds)]
     results = raycoll.spawn(bench_rank, args.world_size, args=(cfg, ports),
                             actor_options={"num_cpus": 0})
