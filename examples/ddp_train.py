@@ -156,8 +156,8 @@ def run(cfg: Config, verbose: bool = True) -> Tuple[List[Dict[str, Any]], List[s
                             actor_options={"num_cpus": 0})
     problems = check(results, cfg)
     if verbose:
-        steps = cfg.num_batches(cfg.world_size - 1)
-        for t in list(range(0, steps, 10)) + [steps - 1]:
+        steps = max(len(res["losses"]) for res in results)  # --extra may be negative
+        for t in sorted({*range(0, steps, 10), steps - 1} - {-1}):
             active = [res["losses"][t] for res in results if len(res["losses"]) > t]
             print(f"step {t:3d}  loss {sum(active) / len(active):.5f}  "
                   f"({len(active)} ranks with data)")
