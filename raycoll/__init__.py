@@ -20,7 +20,6 @@ from raycoll.collectives import (
     P2POp,
     all_gather,
     all_gather_into_tensor,
-    all_gather_object,
     all_gather_single,
     all_reduce,
     all_to_all,
@@ -28,9 +27,7 @@ from raycoll.collectives import (
     barrier,
     batch_isend_irecv,
     broadcast,
-    broadcast_object_list,
     gather,
-    gather_object,
     irecv,
     isend,
     monitored_barrier,
@@ -40,7 +37,6 @@ from raycoll.collectives import (
     reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
-    scatter_object_list,
     send,
 )
 from raycoll.errors import (
@@ -63,6 +59,14 @@ from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
+from raycoll.object_collectives import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from raycoll.process_groups import (
     destroy_process_group,
     get_global_rank,
@@ -93,6 +97,7 @@ __all__ = [
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll import errors, objects
+from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend
 from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
@@ -32,8 +32,7 @@ __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "all_gather_single", "reduce_scatter_single", "barrier", "monitored_barrier", "send", "recv",
-    "isend", "irecv", "P2POp", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
-    "gather_object", "scatter_object_list",
+    "isend", "irecv", "P2POp", "batch_isend_irecv",
 ]
 
 _REJECTED = (ValueError, TypeError, errors.BackendUnavailableError)
@@ -567,80 +566,3 @@ def _batch_backends(p2p_op_list: Sequence[P2POp]) -> List[CollectiveBackend]:
             backend = pg.backend(describe(p.tensor, "tensor").device)
             found.setdefault(id(backend), backend)
     return list(found.values())
-
-
-# ---------------------------------------------------------------------- objects
-def all_gather_object(object_list: List[Any], obj: Any, group: GroupLike = None) -> None:
-    """Fill ``object_list`` with every rank's ``obj`` (through the object store)."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
-        if len(object_list) != pg.size():
-            raise ValueError(f"object_list must have one slot per rank: expected {pg.size()}, "
-                             f"got {len(object_list)}")
-        ref = objects.put(obj, "obj")
-        return {}, lambda call: objects.all_gather(pg.context, call, ref, object_list)
-
-    _run("all_gather_object", group, False, prepare)
-
-
-def broadcast_object_list(object_list: List[Any], src: Optional[int] = None,
-                          group: GroupLike = None, device: Any = None,
-                          group_src: Optional[int] = None) -> None:
-    """Replace ``object_list``'s items on every rank with those of ``src``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, src, group_src, "src", "group_src")
-        if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
-        ref = objects.put(list(object_list), "object_list") if pg.rank() == root else None
-        fp = {"root": root, "length": len(object_list)}
-        return fp, lambda call: objects.broadcast(pg.context, call, ref, root, object_list)
-
-    _run("broadcast_object_list", group, False, prepare)
-
-
-def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None,
-                  dst: Optional[int] = None, group: GroupLike = None,
-                  group_dst: Optional[int] = None) -> None:
-    """Gather every rank's ``obj`` into ``object_gather_list`` on ``dst``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, 0 if dst is None and group_dst is None else dst, group_dst, "dst",
-                     "group_dst")
-        if pg.rank() == root:
-            if not isinstance(object_gather_list, list) or len(object_gather_list) != pg.size():
-                got = (len(object_gather_list) if isinstance(object_gather_list, list)
-                       else type(object_gather_list).__name__)
-                raise ValueError(f"object_gather_list on the destination rank must be a list "
-                                 f"with one slot per rank ({pg.size()}), got {got}")
-        elif _given(object_gather_list):
-            raise ValueError("object_gather_list must not be given on a non-destination rank")
-        ref = objects.put(obj, "obj")
-        return {"root": root}, lambda call: objects.gather(pg.context, call, ref, root,
-                                                           object_gather_list)
-
-    _run("gather_object", group, False, prepare)
-
-
-def scatter_object_list(scatter_object_output_list: List[Any],
-                        scatter_object_input_list: Optional[List[Any]] = None,
-                        src: Optional[int] = None, group: GroupLike = None,
-                        group_src: Optional[int] = None) -> None:
-    """Send ``scatter_object_input_list[i]`` from ``src``; rank i's lands in
-    ``scatter_object_output_list[0]``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, 0 if src is None and group_src is None else src, group_src, "src",
-                     "group_src")
-        if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
-            raise ValueError("scatter_object_output_list must be a non-empty list")
-        refs = None
-        if pg.rank() == root:
-            if (not isinstance(scatter_object_input_list, list)
-                    or len(scatter_object_input_list) != pg.size()):
-                raise ValueError(f"scatter_object_input_list on the source rank must be a list "
-                                 f"with one object per rank ({pg.size()})")
-            refs = [objects.put(o, f"scatter_object_input_list[{i}]")
-                    for i, o in enumerate(scatter_object_input_list)]
-        return {"root": root}, lambda call: objects.scatter(pg.context, call, refs, root,
-                                                            scatter_object_output_list)
-
-    _run("scatter_object_list", group, False, prepare)

@@ -24,6 +24,7 @@ EXPECTED = [
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs
