@@ -16,6 +16,7 @@ Layers, top to bottom (data flows one way):
 """
 
 from raycoll.backends import Backend, BackendConfig, is_nccl_available
+from raycoll.coalesced import all_gather_coalesced, all_reduce_coalesced
 from raycoll.collectives import (
     P2POp,
     all_gather,
@@ -96,6 +97,7 @@ __all__ = [
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+    "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
     # types

@@ -65,3 +65,61 @@ def test_send_and_recv_object_list(ranks):
     assert kind == "ValueError" and "Invalid destination rank" in message
     kind, message = r1["unpicklable"]
     assert kind == "TypeError" and "cannot be pickled" in message
+
+
+def _coalesced(rank, world_size):
+    me = float(rank + 1)
+    a, b = np.full((2, 3), me), np.arange(4.0)[::2] * me  # b: a strided view
+    c = np.array(me)  # 0-d
+    raycoll.all_reduce_coalesced([a, b, c], op=raycoll.ReduceOp.MAX)
+    outs = [[np.zeros((2, 2), np.int32), np.zeros(3, np.int32)] for _ in range(world_size)]
+    ins = [np.full((2, 2), rank, np.int32), np.arange(3, dtype=np.int32) + 10 * rank]
+    fut = raycoll.all_gather_coalesced(outs, ins, async_op=True)
+    waited = fut.wait()
+    single = np.full(2, me)
+    raycoll.all_reduce_coalesced(single)  # one tensor, not in a list, as torch takes it
+    # two fused calls so far (the async one counted): the next collective is #4
+    mismatch = _outcome(lambda: raycoll.all_reduce(np.ones(1 + rank)))
+    bad = [[np.zeros(1)]] * (world_size - (rank == 1))  # rank 1 passes one list too few
+    wrong_len = _outcome(lambda: raycoll.all_gather_coalesced(bad, [np.ones(1)]))
+    shapes = [np.ones(2)] if rank else [np.ones(1), np.ones(1)]  # same total, other shapes
+    shape_mismatch = _outcome(lambda: raycoll.all_reduce_coalesced(shapes))
+    return a, b, c, outs, waited is not None and waited[0] is outs[0][0], single, mismatch, \
+        wrong_len, shape_mismatch
+
+
+@pytest.mark.timeout(120)
+def test_coalesced_collectives(ranks):
+    W = 3
+    results = ranks.run(_coalesced, W, W)
+    for rank, (a, b, c, outs, waited, single, mismatch, wrong_len, shape_mismatch) in \
+            enumerate(results):
+        assert a.tolist() == [[3.0] * 3] * 2 and b.tolist() == [0.0, 6.0] and c == 3.0
+        for r in range(W):
+            assert outs[r][0].tolist() == [[r, r], [r, r]]
+            assert outs[r][1].tolist() == [10 * r, 10 * r + 1, 10 * r + 2]
+        assert waited  # the future's value is the output tensors
+        assert single.tolist() == [6.0, 6.0]
+        assert mismatch[0] == "CollectiveMismatchError" and "all_reduce #4" in mismatch[1]
+        if rank == 1:
+            assert wrong_len[0] == "TensorSizeError" and "one list per rank" in wrong_len[1]
+        else:
+            assert wrong_len[0] == "PeerArgumentError"
+        assert shape_mismatch[0] == "CollectiveMismatchError" and "shapes" in shape_mismatch[1]
+
+
+def _coalesced_torch(rank):
+    import torch
+
+    t = [torch.full((2,), rank + 1.0), torch.tensor([1 + 1j * rank], dtype=torch.complex64)]
+    fut = raycoll.all_reduce_coalesced(t, async_op=True)
+    fut.wait()
+    return t[0].tolist(), t[1].tolist()
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_coalesced_torch_tensors(ranks):
+    for first, second in ranks.run(_coalesced_torch, 2):
+        assert first == [3.0, 3.0]
+        assert second == [2 + 1j]
