@@ -386,13 +386,24 @@ reduce_scatter_single = reduce_scatter_tensor
 
 
 def barrier(group: GroupLike = None, async_op: bool = False,
-            device_ids: Optional[List[int]] = None) -> Optional[Work]:
-    """Wait until every rank of the group has reached the barrier."""
+            device_ids: Optional[List[int]] = None, timeout: Any = None) -> Optional[Work]:
+    """Wait until every rank of the group has reached the barrier.
+
+    ``timeout`` (a ``timedelta`` or seconds; default: the group's timeout) bounds this
+    rank's wait, as in torch: past it ``DistTimeoutError`` names the missing ranks (and the
+    group is broken, as after any collective's timeout). ``device_ids`` is accepted for
+    torch's signature (raycoll's barrier needs no device)."""
+    from raycoll.work import to_seconds
+
+    seconds = to_seconds(timeout)
+
     def prepare(pg: ProcessGroup) -> Prepared:
         # a GPU-only group (backend="nccl") meets through its GPU backend, as in c10d
         serves_cpu = pg.backend_config.serves("cpu")
         backend = pg.backend("cpu" if serves_cpu else "cuda")
-        return {}, backend.barrier
+        if seconds is None:
+            return {}, backend.barrier
+        return {}, lambda call: backend.barrier(Call(call.op, call.seq, seconds, dict(call.fp)))
 
     return _run("barrier", group, async_op, prepare)
 

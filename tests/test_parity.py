@@ -123,3 +123,50 @@ def test_coalesced_torch_tensors(ranks):
     for first, second in ranks.run(_coalesced_torch, 2):
         assert first == [3.0, 3.0]
         assert second == [2 + 1j]
+
+
+def _barrier_timeout(rank):
+    import time
+    from datetime import timedelta
+
+    if rank == 1:
+        time.sleep(4.0)  # rank 0's barrier times out meanwhile
+    start = time.monotonic()
+    got = _outcome(lambda: raycoll.barrier(timeout=timedelta(seconds=1)))
+    return got, time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_barrier_timeout_is_honoured(ranks):
+    (kind, message), took = ranks.run(_barrier_timeout, 2)[0]
+    assert kind == "DistTimeoutError" and "[1]" in message, message
+    assert took < 3.0  # the group's timeout (60 s here) was not what bounded it
+
+
+def _work_wait_and_source(rank):
+    from datetime import timedelta
+
+    x = np.ones(2)
+    work = raycoll.all_reduce(x, async_op=True)
+    waited = work.wait(timedelta(0))  # torch's default: no bound of its own
+    negative = _outcome(lambda: work.wait(timedelta(seconds=-1)))
+    out = {"waited": waited, "x": x.tolist(), "negative": negative[0]}
+    if rank == 0:
+        buf = np.zeros(3)
+        recv = raycoll.irecv(buf)  # any source
+        recv.wait()
+        out["source"] = recv._source_rank()
+        out["not_recv"] = _outcome(work._source_rank)[0]
+    elif rank == 2:
+        raycoll.send(np.full(3, 2.0), dst=0)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_work_wait_zero_and_source_rank(ranks):
+    results = ranks.run(_work_wait_and_source, 3)
+    for got in results:
+        assert got["waited"] is True and got["x"] == [3.0, 3.0]
+        assert got["negative"] == "ValueError"
+    assert results[0]["source"] == 2
+    assert results[0]["not_recv"] == "RuntimeError"
