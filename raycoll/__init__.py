@@ -55,6 +55,8 @@ from raycoll.errors import (
     RankFailedError,
     SpawnError,
     CodeNotShippableError,
+    TensorSizeError,
+    UnsupportedOpError,
 )
 from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
@@ -110,7 +112,7 @@ __all__ = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError",
+    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
 ]
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

@@ -170,3 +170,58 @@ def test_work_wait_zero_and_source_rank(ranks):
         assert got["negative"] == "ValueError"
     assert results[0]["source"] == 2
     assert results[0]["not_recv"] == "RuntimeError"
+
+
+def _reduce_ops(rank):
+    out = {}
+    x = np.ones(2, np.complex64)
+    for name, op in (("MAX", raycoll.ReduceOp.MAX), ("MIN", raycoll.ReduceOp.MIN)):
+        try:
+            raycoll.all_reduce(x, op=op)
+        except ValueError as exc:  # torch's type
+            out[name] = (isinstance(exc, TypeError), str(exc))  # and raycoll's former one
+    y = np.full(2, rank + 1.0)
+    raycoll.all_reduce(y, op=raycoll.ReduceOp(raycoll.ReduceOp.MAX))
+    out["own_ctor"] = y.tolist()
+    out["redoptype"] = raycoll.ReduceOp.RedOpType.SUM == raycoll.ReduceOp.SUM
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_complex_max_min_raise_value_error_and_reduce_op_forms(ranks):
+    for got in ranks.run(_reduce_ops, 2):
+        for name in ("MAX", "MIN"):
+            also_type_error, message = got[name]
+            assert also_type_error and "complex" in message and name in message
+        assert got["own_ctor"] == [2.0, 2.0]
+        assert got["redoptype"]
+
+
+def _torch_ops(rank):
+    import torch
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    out = {}
+    for key, op in (("enum", R.MAX), ("member", R.RedOpType.PRODUCT), ("instance", R(R.SUM)),
+                    ("premul", dist._make_nccl_premul_sum(2.0)),
+                    ("premul_tensor", dist._make_nccl_premul_sum(torch.tensor([3.0])))):
+        t = torch.full((2,), rank + 2.0)
+        raycoll.all_reduce(t, op=op)
+        out[key] = t.tolist()
+    out["premul_plain"] = _outcome(lambda: raycoll.all_reduce(torch.ones(1), op=R.PREMUL_SUM))
+    out["not_an_op"] = _outcome(lambda: raycoll.all_reduce(torch.ones(1), op=3))
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_torch_reduce_op_objects_map(ranks):
+    for got in ranks.run(_torch_ops, 2):  # rank inputs 2 and 3
+        assert got["enum"] == [3.0, 3.0]
+        assert got["member"] == [6.0, 6.0]
+        assert got["instance"] == [5.0, 5.0]
+        assert got["premul"] == [10.0, 10.0]
+        assert got["premul_tensor"] == [15.0, 15.0]
+        assert got["premul_plain"][0] == "ValueError" and "needs a factor" in got["premul_plain"][1]
+        assert got["not_an_op"][0] == "TypeError" and "torch.distributed.ReduceOp" in got["not_an_op"][1]

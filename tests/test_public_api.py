@@ -36,7 +36,7 @@ EXPECTED = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError",
+    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
 ]
 
 
