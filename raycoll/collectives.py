@@ -76,8 +76,9 @@ def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
             "init_process_group('raycoll'), whose collectives reduce bfloat16 in float32")
     if writable and not info.writable:
         raise ValueError(
-            f"{name} is read-only (arrays returned by ray.get are read-only views of the object "
-            f"store); pass a writable array, e.g. {name}.copy()"
+            f"{name} is read-only: numpy arguments of Ray actor methods and arrays from ray.get "
+            f"are read-only views of the object store, and writing into them would change what "
+            f"other readers see. Copy it first: {name} = {name}.copy() (or np.array({name}))"
         )
     return info
 
@@ -87,7 +88,8 @@ def _tensor_list(values: Any, name: str, size: int, *, writable: bool = False,
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(values).__name__}")
     if len(values) != size:
-        raise ValueError(f"{name} must have one tensor per rank: expected {size}, got {len(values)}")
+        raise errors.TensorSizeError(f"{name} must have one tensor per rank: expected {size}, "
+                                     f"got {len(values)}")
     infos = [_tensor(v, f"{name}[{i}]", writable=writable) for i, v in enumerate(values)]
     if like is not None:
         for i, info in enumerate(infos):
@@ -101,8 +103,8 @@ def _same(info: TensorInfo, like: TensorInfo, name: str, *, shape: bool = True) 
     if info.device != like.device:
         raise ValueError(f"{name} is on {info.device}, expected {like.device}")
     if shape and info.numel != like.numel:
-        raise ValueError(f"{name} has shape {info.shape}, expected {like.numel} elements "
-                         f"(shape {like.shape})")
+        raise errors.TensorSizeError(f"{name} has shape {info.shape}, expected {like.numel} "
+                                     f"elements (shape {like.shape})")
 
 
 def _np_dtype(info: TensorInfo) -> Optional[np.dtype]:
@@ -209,8 +211,9 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,
         inp = _tensor(input, "input")
         _same(inp, out, "input", shape=False)
         if inp.numel != out.numel * pg.size():
-            raise ValueError(f"input must have world_size * output.numel() = {pg.size()} * "
-                             f"{out.numel} elements, got {inp.numel} (shape {inp.shape})")
+            raise errors.TensorSizeError(
+                f"input must have world_size * output.numel() = {pg.size()} * {out.numel} "
+                f"elements, got {inp.numel} (shape {inp.shape})")
         rop = _reduce_op(op, out)
         backend = _backend(pg, out)
         fp = {"dtype": out.dtype, "numel": out.numel, "reduce_op": rop.key, "device": out.device}
@@ -255,7 +258,7 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: G
         inp = _tensor(input_tensor, "input_tensor")
         _same(out, inp, "output_tensor", shape=False)
         if out.numel != inp.numel * pg.size():
-            raise ValueError(
+            raise errors.TensorSizeError(
                 f"output_tensor must have world_size * input_tensor.numel() = {pg.size()} * "
                 f"{inp.numel} elements, got {out.numel} (shape {out.shape})")
         backend = _backend(pg, inp)
@@ -459,10 +462,11 @@ def _monitored_timeout(exc: errors.DistTimeoutError, pg: ProcessGroup, call: Cal
     if me in missing:
         message = (f"rank {me} reached {where} after it had timed out on the other ranks "
                    f"(timeout {call.timeout_s:g}s); the group stays usable")
-    elif missing:
-        first = f"rank {missing[0]} failed" if len(missing) == 1 or not wait_all_ranks else \
-            f"ranks {missing} failed"
-        message = f"{first} to pass {where} within {call.timeout_s:g}s; {exc}"
+    elif missing:  # torch's (gloo's) words first: scripts match on them
+        who = f"Rank {missing[0]}" if len(missing) == 1 or not wait_all_ranks else \
+            f"Ranks {', '.join(str(r) for r in missing)}"
+        message = (f"{who} failed to pass monitoredBarrier in {call.timeout_s * 1000:.0f} ms "
+                   f"(Timed out: {where}; {exc})")
     else:
         message = str(exc)
     out = errors.DistTimeoutError(message, missing=missing, op=call.op, seq=call.seq,

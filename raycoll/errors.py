@@ -104,9 +104,14 @@ class PeerArgumentError(CollectiveError, ValueError):
 
 
 class DistTimeoutError(CollectiveError, TimeoutError):
-    """Some ranks did not reach the collective in time. ``missing`` lists them (global ranks)."""
+    """Some ranks did not reach the collective in time. ``missing`` lists them (global ranks).
+
+    The message always holds torch's phrase "Timed out" (scripts match on it): it is
+    prefixed where the text does not already say it."""
 
     def __init__(self, message: str, *, missing: Sequence[int] = (), **kwargs: object) -> None:
+        if "Timed out" not in message:
+            message = f"Timed out: {message}"
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.missing = tuple(missing)
 

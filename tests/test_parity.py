@@ -225,3 +225,30 @@ def test_torch_reduce_op_objects_map(ranks):
         assert got["premul_tensor"] == [15.0, 15.0]
         assert got["premul_plain"][0] == "ValueError" and "needs a factor" in got["premul_plain"][1]
         assert got["not_an_op"][0] == "TypeError" and "torch.distributed.ReduceOp" in got["not_an_op"][1]
+
+
+def _size_errors(rank, world_size):
+    caught = {}
+    for name, call in (
+            ("length", lambda: raycoll.all_gather([np.zeros(2)] * (world_size + 1), np.ones(2))),
+            ("shape", lambda: raycoll.all_gather([np.zeros(3)] * world_size, np.ones(2)))):
+        try:
+            call()
+        except RuntimeError as exc:  # what torch's and ray.util.collective's raise
+            caught[name] = (isinstance(exc, ValueError), type(exc).__name__, str(exc))
+    ro = np.ones(2)
+    ro.setflags(write=False)
+    caught["read_only"] = _outcome(lambda: raycoll.all_reduce(ro))
+    return caught
+
+
+@pytest.mark.timeout(60)
+def test_size_errors_are_value_and_runtime_errors(ranks):
+    for caught in ranks.run(_size_errors, 2, 2):
+        for name in ("length", "shape"):
+            also_value_error, kind, message = caught[name]
+            assert also_value_error and kind == "TensorSizeError", caught
+        assert "one tensor per rank: expected 2, got 3" in caught["length"][2]
+        assert "tensor_list[0] has shape (3,)" in caught["shape"][2]
+        kind, message = caught["read_only"]
+        assert kind == "ValueError" and "tensor.copy()" in message and "np.array(tensor)" in message
