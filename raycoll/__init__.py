@@ -2,8 +2,9 @@
 
 Layers, top to bottom (data flows one way):
 
-- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.process_groups`,
-  driver-side :mod:`raycoll.launch`): resolve the group, validate, dispatch;
+- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.object_collectives`,
+  :mod:`raycoll.coalesced`, :mod:`raycoll.process_groups`, driver-side :mod:`raycoll.launch`):
+  resolve the group, validate, dispatch;
 - :class:`ProcessGroup` (:mod:`raycoll.group`): ranks, sequence numbers, issue order,
   device -> backend dispatch;
 - backends (:mod:`raycoll.backends`): ``objstore`` for CPU arrays through the Ray object

@@ -19,8 +19,8 @@
                                             it cannot travel by value (compiled code)
 
 Invalid arguments on the calling rank raise the built-in ``ValueError`` / ``TypeError``, as
-``torch.distributed`` does, before anything is sent. Two of them are also what torch's
-backends raise, so that code catching either works::
+``torch.distributed`` does, before anything is sent. Two subclasses also derive from what
+torch's backends (and ``ray.util.collective``) raise there, so that code catching either works::
 
     TensorSizeError (ValueError, RuntimeError)      a tensor list of the wrong length, a
                                                     tensor of the wrong size (all_gather, ...)
