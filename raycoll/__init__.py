@@ -2,8 +2,9 @@
 
 Layers, top to bottom (data flows one way):
 
-- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.process_groups`,
-  driver-side :mod:`raycoll.launch`): resolve the group, validate, dispatch;
+- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.object_collectives`,
+  :mod:`raycoll.coalesced`, :mod:`raycoll.process_groups`, driver-side :mod:`raycoll.launch`):
+  resolve the group, validate, dispatch;
 - :class:`ProcessGroup` (:mod:`raycoll.group`): ranks, sequence numbers, issue order,
   device -> backend dispatch;
 - backends (:mod:`raycoll.backends`): ``objstore`` for CPU arrays through the Ray object
@@ -16,11 +17,11 @@ Layers, top to bottom (data flows one way):
 """
 
 from raycoll.backends import Backend, BackendConfig, is_nccl_available
+from raycoll.coalesced import all_gather_coalesced, all_reduce_coalesced
 from raycoll.collectives import (
     P2POp,
     all_gather,
     all_gather_into_tensor,
-    all_gather_object,
     all_gather_single,
     all_reduce,
     all_to_all,
@@ -28,9 +29,7 @@ from raycoll.collectives import (
     barrier,
     batch_isend_irecv,
     broadcast,
-    broadcast_object_list,
     gather,
-    gather_object,
     irecv,
     isend,
     monitored_barrier,
@@ -40,7 +39,6 @@ from raycoll.collectives import (
     reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
-    scatter_object_list,
     send,
 )
 from raycoll.errors import (
@@ -58,12 +56,22 @@ from raycoll.errors import (
     RankFailedError,
     SpawnError,
     CodeNotShippableError,
+    TensorSizeError,
+    UnsupportedOpError,
 )
 from raycoll.gradients import GradientAverager
 from raycoll.group import GroupMember, ProcessGroup
 from raycoll.group import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
+from raycoll.object_collectives import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from raycoll.process_groups import (
     destroy_process_group,
     get_backend,
@@ -101,7 +109,9 @@ __all__ = [
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+    "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs
@@ -112,7 +122,7 @@ __all__ = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError",
+    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
 ]
 
 #: torch's ``dist.group`` (``group.WORLD``); the name hides the submodule raycoll.group as an

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll import errors, objects
+from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend
 from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
@@ -32,8 +32,7 @@ __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "all_gather_single", "reduce_scatter_single", "barrier", "monitored_barrier", "send", "recv",
-    "isend", "irecv", "P2POp", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
-    "gather_object", "scatter_object_list",
+    "isend", "irecv", "P2POp", "batch_isend_irecv",
 ]
 
 _REJECTED = (ValueError, TypeError, errors.BackendUnavailableError)
@@ -77,8 +76,9 @@ def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
             "init_process_group('raycoll'), whose collectives reduce bfloat16 in float32")
     if writable and not info.writable:
         raise ValueError(
-            f"{name} is read-only (arrays returned by ray.get are read-only views of the object "
-            f"store); pass a writable array, e.g. {name}.copy()"
+            f"{name} is read-only: numpy arguments of Ray actor methods and arrays from ray.get "
+            f"are read-only views of the object store, and writing into them would change what "
+            f"other readers see. Copy it first: {name} = {name}.copy() (or np.array({name}))"
         )
     return info
 
@@ -88,7 +88,8 @@ def _tensor_list(values: Any, name: str, size: int, *, writable: bool = False,
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(values).__name__}")
     if len(values) != size:
-        raise ValueError(f"{name} must have one tensor per rank: expected {size}, got {len(values)}")
+        raise errors.TensorSizeError(f"{name} must have one tensor per rank: expected {size}, "
+                                     f"got {len(values)}")
     infos = [_tensor(v, f"{name}[{i}]", writable=writable) for i, v in enumerate(values)]
     if like is not None:
         for i, info in enumerate(infos):
@@ -102,8 +103,8 @@ def _same(info: TensorInfo, like: TensorInfo, name: str, *, shape: bool = True) 
     if info.device != like.device:
         raise ValueError(f"{name} is on {info.device}, expected {like.device}")
     if shape and info.numel != like.numel:
-        raise ValueError(f"{name} has shape {info.shape}, expected {like.numel} elements "
-                         f"(shape {like.shape})")
+        raise errors.TensorSizeError(f"{name} has shape {info.shape}, expected {like.numel} "
+                                     f"elements (shape {like.shape})")
 
 
 def _np_dtype(info: TensorInfo) -> Optional[np.dtype]:
@@ -210,8 +211,9 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,
         inp = _tensor(input, "input")
         _same(inp, out, "input", shape=False)
         if inp.numel != out.numel * pg.size():
-            raise ValueError(f"input must have world_size * output.numel() = {pg.size()} * "
-                             f"{out.numel} elements, got {inp.numel} (shape {inp.shape})")
+            raise errors.TensorSizeError(
+                f"input must have world_size * output.numel() = {pg.size()} * {out.numel} "
+                f"elements, got {inp.numel} (shape {inp.shape})")
         rop = _reduce_op(op, out)
         backend = _backend(pg, out)
         fp = {"dtype": out.dtype, "numel": out.numel, "reduce_op": rop.key, "device": out.device}
@@ -256,7 +258,7 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: G
         inp = _tensor(input_tensor, "input_tensor")
         _same(out, inp, "output_tensor", shape=False)
         if out.numel != inp.numel * pg.size():
-            raise ValueError(
+            raise errors.TensorSizeError(
                 f"output_tensor must have world_size * input_tensor.numel() = {pg.size()} * "
                 f"{inp.numel} elements, got {out.numel} (shape {out.shape})")
         backend = _backend(pg, inp)
@@ -387,13 +389,24 @@ reduce_scatter_single = reduce_scatter_tensor
 
 
 def barrier(group: GroupLike = None, async_op: bool = False,
-            device_ids: Optional[List[int]] = None) -> Optional[Work]:
-    """Wait until every rank of the group has reached the barrier."""
+            device_ids: Optional[List[int]] = None, timeout: Any = None) -> Optional[Work]:
+    """Wait until every rank of the group has reached the barrier.
+
+    ``timeout`` (a ``timedelta`` or seconds; default: the group's timeout) bounds this
+    rank's wait, as in torch: past it ``DistTimeoutError`` names the missing ranks (and the
+    group is broken, as after any collective's timeout). ``device_ids`` is accepted for
+    torch's signature (raycoll's barrier needs no device)."""
+    from raycoll.work import to_seconds
+
+    seconds = to_seconds(timeout)
+
     def prepare(pg: ProcessGroup) -> Prepared:
         # a GPU-only group (backend="nccl") meets through its GPU backend, as in c10d
         serves_cpu = pg.backend_config.serves("cpu")
         backend = pg.backend("cpu" if serves_cpu else "cuda")
-        return {}, backend.barrier
+        if seconds is None:
+            return {}, backend.barrier
+        return {}, lambda call: backend.barrier(Call(call.op, call.seq, seconds, dict(call.fp)))
 
     return _run("barrier", group, async_op, prepare)
 
@@ -449,10 +462,11 @@ def _monitored_timeout(exc: errors.DistTimeoutError, pg: ProcessGroup, call: Cal
     if me in missing:
         message = (f"rank {me} reached {where} after it had timed out on the other ranks "
                    f"(timeout {call.timeout_s:g}s); the group stays usable")
-    elif missing:
-        first = f"rank {missing[0]} failed" if len(missing) == 1 or not wait_all_ranks else \
-            f"ranks {missing} failed"
-        message = f"{first} to pass {where} within {call.timeout_s:g}s; {exc}"
+    elif missing:  # torch's (gloo's) words first: scripts match on them
+        who = f"Rank {missing[0]}" if len(missing) == 1 or not wait_all_ranks else \
+            f"Ranks {', '.join(str(r) for r in missing)}"
+        message = (f"{who} failed to pass monitoredBarrier in {call.timeout_s * 1000:.0f} ms "
+                   f"(Timed out: {where}; {exc})")
     else:
         message = str(exc)
     out = errors.DistTimeoutError(message, missing=missing, op=call.op, seq=call.seq,
@@ -567,80 +581,3 @@ def _batch_backends(p2p_op_list: Sequence[P2POp]) -> List[CollectiveBackend]:
             backend = pg.backend(describe(p.tensor, "tensor").device)
             found.setdefault(id(backend), backend)
     return list(found.values())
-
-
-# ---------------------------------------------------------------------- objects
-def all_gather_object(object_list: List[Any], obj: Any, group: GroupLike = None) -> None:
-    """Fill ``object_list`` with every rank's ``obj`` (through the object store)."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
-        if len(object_list) != pg.size():
-            raise ValueError(f"object_list must have one slot per rank: expected {pg.size()}, "
-                             f"got {len(object_list)}")
-        ref = objects.put(obj, "obj")
-        return {}, lambda call: objects.all_gather(pg.context, call, ref, object_list)
-
-    _run("all_gather_object", group, False, prepare)
-
-
-def broadcast_object_list(object_list: List[Any], src: Optional[int] = None,
-                          group: GroupLike = None, device: Any = None,
-                          group_src: Optional[int] = None) -> None:
-    """Replace ``object_list``'s items on every rank with those of ``src``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, src, group_src, "src", "group_src")
-        if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
-        ref = objects.put(list(object_list), "object_list") if pg.rank() == root else None
-        fp = {"root": root, "length": len(object_list)}
-        return fp, lambda call: objects.broadcast(pg.context, call, ref, root, object_list)
-
-    _run("broadcast_object_list", group, False, prepare)
-
-
-def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None,
-                  dst: Optional[int] = None, group: GroupLike = None,
-                  group_dst: Optional[int] = None) -> None:
-    """Gather every rank's ``obj`` into ``object_gather_list`` on ``dst``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, 0 if dst is None and group_dst is None else dst, group_dst, "dst",
-                     "group_dst")
-        if pg.rank() == root:
-            if not isinstance(object_gather_list, list) or len(object_gather_list) != pg.size():
-                got = (len(object_gather_list) if isinstance(object_gather_list, list)
-                       else type(object_gather_list).__name__)
-                raise ValueError(f"object_gather_list on the destination rank must be a list "
-                                 f"with one slot per rank ({pg.size()}), got {got}")
-        elif _given(object_gather_list):
-            raise ValueError("object_gather_list must not be given on a non-destination rank")
-        ref = objects.put(obj, "obj")
-        return {"root": root}, lambda call: objects.gather(pg.context, call, ref, root,
-                                                           object_gather_list)
-
-    _run("gather_object", group, False, prepare)
-
-
-def scatter_object_list(scatter_object_output_list: List[Any],
-                        scatter_object_input_list: Optional[List[Any]] = None,
-                        src: Optional[int] = None, group: GroupLike = None,
-                        group_src: Optional[int] = None) -> None:
-    """Send ``scatter_object_input_list[i]`` from ``src``; rank i's lands in
-    ``scatter_object_output_list[0]``."""
-    def prepare(pg: ProcessGroup) -> Prepared:
-        root = _peer(pg, 0 if src is None and group_src is None else src, group_src, "src",
-                     "group_src")
-        if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
-            raise ValueError("scatter_object_output_list must be a non-empty list")
-        refs = None
-        if pg.rank() == root:
-            if (not isinstance(scatter_object_input_list, list)
-                    or len(scatter_object_input_list) != pg.size()):
-                raise ValueError(f"scatter_object_input_list on the source rank must be a list "
-                                 f"with one object per rank ({pg.size()})")
-            refs = [objects.put(o, f"scatter_object_input_list[{i}]")
-                    for i, o in enumerate(scatter_object_input_list)]
-        return {"root": root}, lambda call: objects.scatter(pg.context, call, refs, root,
-                                                            scatter_object_output_list)
-
-    _run("scatter_object_list", group, False, prepare)

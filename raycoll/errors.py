@@ -19,8 +19,16 @@
                                             it cannot travel by value (compiled code)
 
 Invalid arguments on the calling rank raise the built-in ``ValueError`` / ``TypeError``, as
-``torch.distributed`` does, before anything is sent (the peers of that collective are told,
-and raise ``PeerArgumentError``). Ray's own exceptions are translated at the backend edge into
+``torch.distributed`` does, before anything is sent. Two subclasses also derive from what
+torch's backends (and ``ray.util.collective``) raise there, so that code catching either works::
+
+    TensorSizeError (ValueError, RuntimeError)      a tensor list of the wrong length, a
+                                                    tensor of the wrong size (all_gather, ...)
+    UnsupportedOpError (ValueError, TypeError)      a ReduceOp the dtype does not support
+                                                    (MAX on complex, BAND on float, ...)
+
+The peers of a collective whose arguments a rank rejected are told, and raise
+``PeerArgumentError``. Ray's own exceptions are translated at the backend edge into
 these, with the original chained as ``__cause__``.
 """
 
@@ -43,6 +51,8 @@ __all__ = [
     "BackendUnavailableError",
     "SpawnError",
     "CodeNotShippableError",
+    "TensorSizeError",
+    "UnsupportedOpError",
 ]
 
 
@@ -94,9 +104,14 @@ class PeerArgumentError(CollectiveError, ValueError):
 
 
 class DistTimeoutError(CollectiveError, TimeoutError):
-    """Some ranks did not reach the collective in time. ``missing`` lists them (global ranks)."""
+    """Some ranks did not reach the collective in time. ``missing`` lists them (global ranks).
+
+    The message always holds torch's phrase "Timed out" (scripts match on it): it is
+    prefixed where the text does not already say it."""
 
     def __init__(self, message: str, *, missing: Sequence[int] = (), **kwargs: object) -> None:
+        if "Timed out" not in message:
+            message = f"Timed out: {message}"
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.missing = tuple(missing)
 
@@ -132,3 +147,13 @@ class SpawnError(RaycollError):
 class CodeNotShippableError(RaycollError, ImportError):
     """:func:`raycoll.spawn`'s function (or an argument) comes from a module the rank
     workers cannot import and that cannot be shipped by value; raised before it runs."""
+
+
+class TensorSizeError(ValueError, RuntimeError):
+    """A tensor list of the wrong length or a tensor of the wrong size: a ``ValueError`` (an
+    invalid argument) that is also the ``RuntimeError`` torch's and Ray's collectives raise."""
+
+
+class UnsupportedOpError(ValueError, TypeError):
+    """A ``ReduceOp`` not defined on the tensor's dtype: torch's ``ValueError``, and the
+    ``TypeError`` raycoll raised before."""

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Optional, Tuple
 
 import numpy as np
 
+from raycoll.errors import UnsupportedOpError
+
 __all__ = ["ReduceOp", "check_op_dtype", "combine", "combine_into", "finalize", "reduce_arrays"]
 
 
@@ -31,7 +33,11 @@ class ReduceOp:
 
     __slots__ = ("name", "factor")
 
-    def __init__(self, name: str, factor: Optional[float] = None) -> None:
+    def __init__(self, name: Any, factor: Optional[float] = None) -> None:
+        if isinstance(name, ReduceOp):  # ReduceOp(ReduceOp.SUM), as torch's constructor takes
+            name, factor = name.name, name.factor if factor is None else factor
+        if not isinstance(name, str):
+            raise TypeError(f"ReduceOp(name): name must be a str or a ReduceOp, got {name!r}")
         self.name = name
         self.factor = factor
 
@@ -64,8 +70,7 @@ class _PremulSum(ReduceOp):
         super().__init__("PREMUL_SUM", None)
 
     def __call__(self, factor: Any) -> ReduceOp:
-        value = float(np.asarray(factor.item() if hasattr(factor, "item") else factor))
-        return ReduceOp("PREMUL_SUM", value)
+        return ReduceOp("PREMUL_SUM", _factor(factor))
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return (_PremulSum, ())
@@ -80,6 +85,23 @@ ReduceOp.BOR = ReduceOp("BOR")
 ReduceOp.BXOR = ReduceOp("BXOR")
 ReduceOp.AVG = ReduceOp("AVG")
 ReduceOp.PREMUL_SUM = _PremulSum()
+
+
+class _RedOpType:
+    """``ReduceOp.RedOpType``: torch's enum of the ops, here the same ``ReduceOp`` values."""
+
+    SUM = ReduceOp.SUM
+    AVG = ReduceOp.AVG
+    PRODUCT = ReduceOp.PRODUCT
+    MIN = ReduceOp.MIN
+    MAX = ReduceOp.MAX
+    BAND = ReduceOp.BAND
+    BOR = ReduceOp.BOR
+    BXOR = ReduceOp.BXOR
+    PREMUL_SUM = ReduceOp.PREMUL_SUM
+
+
+ReduceOp.RedOpType = _RedOpType  # type: ignore[attr-defined]
 
 _NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
 
@@ -96,31 +118,56 @@ _UFUNC = {
 }
 
 
+def _factor(value: Any) -> float:
+    try:
+        return float(np.asarray(value.item() if hasattr(value, "item") else value))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"a PREMUL_SUM factor must be one number (a float or a one-element "
+                         f"tensor), got {value!r}") from exc
+
+
 def as_reduce_op(op: Any) -> ReduceOp:
-    """Accept a ``ReduceOp``, a torch ``ReduceOp`` or its name; reject anything else."""
+    """Accept a ``ReduceOp``, a torch ``ReduceOp`` (an enum value such as
+    ``torch.distributed.ReduceOp.SUM`` or a ``RedOpType`` member, a ``ReduceOp(...)``
+    instance, a premul-sum made by ``torch.distributed._make_nccl_premul_sum(factor)``) or an
+    op's name; reject anything else."""
     if isinstance(op, _PremulSum):
         raise ValueError(
             "op=ReduceOp.PREMUL_SUM needs a factor: pass ReduceOp.PREMUL_SUM(factor)"
         )
     if isinstance(op, ReduceOp):
         return op
-    name = getattr(op, "name", op)
-    if isinstance(name, str) and name.upper() in _NAMES and name.upper() != "PREMUL_SUM":
+    inner = getattr(op, "op", None)  # a torch.distributed.ReduceOp instance wraps a RedOpType
+    kind = inner if isinstance(getattr(inner, "name", None), str) else op
+    name = getattr(kind, "name", kind)
+    if isinstance(name, str) and name.upper() == "PREMUL_SUM":
+        try:
+            factor = getattr(op, "factor", None) if kind is not op else None
+        except RuntimeError:  # torch: "Only PREMUL_SUM supports accessing factor"
+            factor = None
+        if factor is None:
+            raise ValueError(f"op={op!r} (PREMUL_SUM) needs a factor: pass "
+                             "ReduceOp.PREMUL_SUM(factor) (or torch's _make_nccl_premul_sum)")
+        return ReduceOp("PREMUL_SUM", _factor(factor))
+    if isinstance(name, str) and name.upper() in _NAMES:
         return ReduceOp(name.upper())
-    raise TypeError(f"op must be a raycoll.ReduceOp (e.g. ReduceOp.SUM), got {op!r}")
+    raise TypeError(f"op must be a raycoll.ReduceOp (e.g. ReduceOp.SUM) or a "
+                    f"torch.distributed.ReduceOp, got {op!r}")
 
 
 def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
-    """Raise ``TypeError`` if ``op`` is not defined on ``dtype``."""
+    """Raise ``UnsupportedOpError`` (a ``ValueError`` and a ``TypeError``) if ``op`` is not
+    defined on ``dtype``."""
     kind = dtype.kind
     if op.name in ("BAND", "BOR", "BXOR") and kind not in "biu":
-        raise TypeError(f"op={op!r} needs an integer or bool dtype, got {dtype}")
+        raise UnsupportedOpError(f"op={op!r} needs an integer or bool dtype, got {dtype}")
     if op.name in ("MIN", "MAX") and kind == "c":
-        raise TypeError(f"op={op!r} is not defined on complex dtype {dtype}")
+        raise UnsupportedOpError(f"op={op!r} is not supported on complex tensors "
+                                 f"(dtype {dtype}); torch refuses it too")
     if op.name in ("AVG", "PREMUL_SUM") and kind == "b":
-        raise TypeError(f"op={op!r} is not defined on bool tensors")
+        raise UnsupportedOpError(f"op={op!r} is not defined on bool tensors")
     if kind not in "biufc":
-        raise TypeError(f"cannot reduce dtype {dtype}: numeric or bool dtypes only")
+        raise UnsupportedOpError(f"cannot reduce dtype {dtype}: numeric or bool dtypes only")
 
 
 def combine(op: ReduceOp, out: np.ndarray, other: np.ndarray) -> None:

@@ -41,6 +41,13 @@ def to_seconds(timeout: Timeout, default: Optional[float] = None) -> Optional[fl
     return seconds
 
 
+def _is_zero(timeout: Timeout) -> bool:
+    """``timedelta(0)`` or ``0``: torch's ``kNoTimeout``, the default of ``Work.wait``."""
+    if isinstance(timeout, timedelta):
+        return timeout == timedelta(0)
+    return isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout == 0
+
+
 class DevicePending(ABC):
     """Device work a stream-ordered backend has enqueued: done when its CUDA event fires.
 
@@ -138,8 +145,12 @@ class Work:
         return f"<raycoll.Work {self._describe} {state}>"
 
     def wait(self, timeout: Timeout = None) -> bool:
-        """Wait for completion; raise the operation's error; ``True`` on success."""
-        seconds = to_seconds(timeout)
+        """Wait for completion; raise the operation's error; ``True`` on success.
+
+        ``timeout`` (a ``timedelta`` or seconds) bounds the wait; ``None`` or zero (torch's
+        default, ``timedelta(0)``) means no bound of its own: the operation's, the group's
+        timeout, applies."""
+        seconds = None if _is_zero(timeout) else to_seconds(timeout)
         start = time.monotonic()
         try:
             value = self._inner.result(seconds)
@@ -208,6 +219,10 @@ class Work:
         """The output tensors, after waiting."""
         self.wait()
         return self._outputs
+
+    def _source_rank(self) -> int:
+        """torch's name for :meth:`source_rank` (its ``recv(src=None)`` tests call it)."""
+        return self.source_rank()
 
     def source_rank(self) -> int:
         """For a receive: the global rank the message came from."""

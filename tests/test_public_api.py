@@ -25,7 +25,9 @@ EXPECTED = [
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+    "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs
@@ -36,7 +38,7 @@ EXPECTED = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError",
+    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
 ]
 
 
