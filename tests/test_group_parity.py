@@ -324,28 +324,3 @@ def test_new_subgroups_by_enumeration_and_split_group(ranks):
                               "The arg 'group_size' (4) must not exceed the world size (3)",
                               "The world size (3) must be divisible by 'group_size=2'"]
         assert g["after"] == [3.0]
-
-
-#: Parameters raycoll adds to a torch name (documented in each docstring).
-EXTRA = {"new_group": ["group"]}
-SHARED = ["init_process_group", "destroy_process_group", "is_initialized", "is_available",
-          "get_rank", "get_world_size", "get_group_rank", "get_global_rank",
-          "get_process_group_ranks", "get_backend", "get_backend_config", "get_node_local_rank",
-          "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group"]
-
-
-@pytest.mark.torch
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("name", SHARED)
-def test_signature_is_torchs(name):
-    import inspect
-
-    import torch.distributed as dist
-
-    def params(fn: Any) -> list:
-        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()
-                if not p.name.startswith("_")]
-
-    theirs, ours = params(getattr(dist, name)), params(getattr(raycoll, name))
-    assert ours[:len(theirs)] == theirs
-    assert [p[0] for p in ours[len(theirs):]] == EXTRA.get(name, [])
