@@ -121,6 +121,77 @@ class LocalStore(dist.Store):
             return len(self._data)
 
 
+class DeferredStore(dist.Store):
+    """A store made on first use by ``make`` (torch's ``env://`` TCPStore at ``MASTER_ADDR``):
+    ``init_process_group('raycoll')`` never touches its store, so under :func:`raycoll.spawn`
+    (which sets ``MASTER_ADDR``/``MASTER_PORT`` as torchrun does) a raycoll group opens no
+    port and waits on no rank, while gloo (or ``TORCH_DIST_INIT_BARRIER``) gets torch's store
+    the moment it asks."""
+
+    def __init__(self, make: Callable[[], dist.Store]) -> None:
+        super().__init__()
+        self._make = make
+        self._inner: Optional[dist.Store] = None
+        self._lock = threading.Lock()
+
+    @property
+    def made(self) -> bool:
+        """Whether the underlying store exists yet."""
+        return self._inner is not None
+
+    def _store(self) -> dist.Store:
+        with self._lock:
+            if self._inner is None:
+                self._inner = self._make()
+            return self._inner
+
+    def set(self, key: str, value: Any) -> None:
+        self._store().set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store().get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._store().add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._store().compare_set(key, expected, desired)
+
+    def append(self, key: str, value: Any) -> None:
+        self._store().append(key, value)
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        return self._store().multi_get(keys)
+
+    def multi_set(self, keys: List[str], values: List[Any]) -> None:
+        self._store().multi_set(keys, values)
+
+    def check(self, keys: List[str]) -> bool:
+        return self._store().check(keys)
+
+    def wait(self, keys: List[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._store().wait(keys)
+        else:
+            self._store().wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store().delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store().num_keys()
+
+
+#: The stores handed to torch, kept alive here: torch keeps only their C++ half, and a Python
+#: store whose Python object is gone answers torch's calls with "Not implemented".
+_KEPT: List[dist.Store] = []
+
+
+def _kept(store: dist.Store) -> dist.Store:
+    _KEPT.append(store)
+    return store
+
+
 # ---------------------------------------------------------------------- rendezvous
 def _default_group() -> Optional[RaycollGroup]:
     return world().default
@@ -150,13 +221,30 @@ def _rank_and_size(url: str) -> Tuple[int, int]:
 def _raycoll_rendezvous(url: str, **_kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
     """The ``raycoll://`` rendezvous: no network, the raycoll group already formed."""
     rank, size = _rank_and_size(url)
-    yield LocalStore(), rank, size
+    yield _kept(LocalStore()), rank, size
     raise RuntimeError("raycoll:// rendezvous cannot re-rendezvous: form the raycoll group again")
 
 
+def _deferred_env_rendezvous(url: str, torch_env: Callable[..., Any],
+                             kwargs: Dict[str, Any]) -> Iterator[Tuple[dist.Store, int, int]]:
+    """``env://`` with ``MASTER_ADDR`` inside a raycoll rank whose ``RANK``/``WORLD_SIZE``
+    agree with its raycoll group: torch's own store, made on first use (DeferredStore)."""
+    rank, size = _rank_and_size(url)
+    query = f"rank={rank}&world_size={size}"
+    full = url + ("&" if urlparse(url).query else "?") + query
+
+    def make() -> dist.Store:
+        return next(iter(torch_env(full, **kwargs)))[0]
+
+    yield _kept(DeferredStore(make)), rank, size
+    raise RuntimeError("env:// in a raycoll rank cannot re-rendezvous: form the group again")
+
+
 def _install_rendezvous() -> None:
-    """``raycoll://``, and ``env://`` without ``MASTER_ADDR`` inside a raycoll rank (the
-    default of ``init_process_group``) rendezvous through raycoll; anything else as before."""
+    """``raycoll://``, and ``env://`` (the default of ``init_process_group``) inside a raycoll
+    rank, rendezvous through raycoll: without ``MASTER_ADDR`` on a store local to the rank,
+    with it (as under spawn) on torch's store made when first used; anything else as
+    before."""
     import importlib
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
@@ -169,9 +257,15 @@ def _install_rendezvous() -> None:
         return
 
     def env_or_raycoll(url: str, **kwargs: Any) -> Iterator[Tuple[dist.Store, int, int]]:
-        if not os.environ.get("MASTER_ADDR") and _default_group() is not None:
+        if _default_group() is None:
+            return torch_env(url, **kwargs)
+        if not os.environ.get("MASTER_ADDR"):
             return _raycoll_rendezvous(url, **kwargs)
-        return torch_env(url, **kwargs)
+        try:
+            _rank_and_size(url)
+        except ValueError:  # the user's own RANK/WORLD_SIZE, not the raycoll group's
+            return torch_env(url, **kwargs)
+        return _deferred_env_rendezvous(url, torch_env, kwargs)
 
     env_or_raycoll._raycoll = True  # type: ignore[attr-defined]
     handlers["env"] = env_or_raycoll

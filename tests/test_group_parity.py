@@ -4,6 +4,7 @@ backend queries, backend names, arguments raycoll cannot honour, subgroup helper
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict
 
 import numpy as np
@@ -32,27 +33,60 @@ def test_spawn_sets_torchruns_environment_before_fn(ray_local):
                            node_local_rank=rank)
 
 
-def _torch_env_rendezvous(rank: int, backend: str) -> Any:
+def _torch_env_rendezvous(rank: int, backend: str, init_barrier: bool) -> Any:
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1" if init_barrier else "0"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))  # env://
     try:
         t = torch.full((2,), float(rank + 1))
         dist.all_reduce(t)
-        return dist.get_rank(), dist.get_world_size(), t.tolist()
+        store = dist.distributed_c10d._get_default_store()
+        store = store._underlying_non_prefix_store
+        # raycoll never touches the store: torch's TCPStore (MASTER_PORT) is never made
+        made = getattr(store, "made", type(store).__name__)
+        return dist.get_rank(), dist.get_world_size(), t.tolist(), made
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.torch
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["gloo", "raycoll"])
-def test_torch_env_rendezvous_works_under_spawn(ray_local, backend):
-    got = raycoll.spawn(_torch_env_rendezvous, 2, args=(backend,), actor_options={"num_cpus": 0})
-    assert got == [(0, 2, [3.0, 3.0]), (1, 2, [3.0, 3.0])]
+@pytest.mark.parametrize("backend,init_barrier",
+                         [("gloo", False), ("raycoll", False), ("raycoll", True)])
+def test_torch_env_rendezvous_works_under_spawn(ray_local, backend, init_barrier):
+    got = raycoll.spawn(_torch_env_rendezvous, 2, args=(backend, init_barrier),
+                        actor_options={"num_cpus": 0})
+    # gloo exchanges its addresses through torch's store, and torch's store-based barrier
+    # counts the ranks there: only then is torch's TCPStore (at MASTER_PORT) made
+    made = backend == "gloo" or init_barrier
+    assert got == [(0, 2, [3.0, 3.0], made), (1, 2, [3.0, 3.0], made)]
+
+
+def _init_barrier_without_master(rank: int) -> str:
+    import torch.distributed as dist
+
+    del os.environ["MASTER_ADDR"]  # the store is local to the rank, then
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    try:
+        dist.init_process_group("raycoll")
+    except KeyError as exc:
+        return str(exc)
+    dist.destroy_process_group()
+    return "no error"
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_store_based_barrier_on_the_local_store_fails_at_once_naming_the_fix(ray_local):
+    start = time.monotonic()
+    got = raycoll.spawn(_init_barrier_without_master, 2, actor_options={"num_cpus": 0})
+    for text in got:
+        assert "never set on this rank" in text and "TORCH_DIST_INIT_BARRIER" in text
+    assert time.monotonic() - start < 60  # not torch's timeout (30 minutes)
 
 
 @pytest.mark.timeout(10)
