@@ -14,6 +14,7 @@ and ``is_completed()`` queries it.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -124,6 +125,14 @@ class Future:
         return out
 
 
+def _torch_future(outputs: List[Any]) -> Any:
+    """A new ``torch.futures.Future`` if ``outputs`` hold a torch tensor, else ``None``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(t, torch.Tensor) for t in outputs):
+        return torch.futures.Future()
+    return None
+
+
 class Work:
     """The handle of an operation issued with ``async_op=True``."""
 
@@ -194,12 +203,16 @@ class Work:
             return pending.exception()
         return self._inner.exception()
 
-    def get_future(self) -> Future:
-        """A future completed with the output tensors (torch returns them as a list)."""
-        out = Future()
+    def get_future(self) -> Any:
+        """A future completed with the output tensors (torch returns them as a list): a
+        ``torch.futures.Future`` when they are torch tensors (``then`` chains, DDP comm
+        hooks and ``torch.futures.collect_all`` take it), else a raycoll :class:`Future`."""
+        out = _torch_future(self._outputs) or Future()
 
         def settle(exc: Optional[BaseException]) -> None:
             if exc is not None:
+                if not isinstance(exc, Exception):  # torch's futures hold Exceptions only
+                    exc = RuntimeError(f"{type(exc).__name__}: {exc}")
                 out.set_exception(exc)
             else:
                 out.set_result(self._outputs)

@@ -42,6 +42,11 @@ def _torch_ops(rank, world_size):
     c = torch.full((2,), complex(rank, 1), dtype=torch.complex64)
     raycoll.all_reduce(c)
     out["complex"] = [complex(v) for v in c.tolist()]
+    w = torch.full((2,), float(rank))
+    fut = raycoll.all_reduce(w, async_op=True).get_future()
+    chained = fut.then(lambda f: f.value()[0] * 2)  # as a DDP comm hook chains
+    out["future"] = [isinstance(fut, torch.futures.Future), chained.wait().tolist(),
+                     fut.value()[0] is w]
     if rank == 0:
         raycoll.send(torch.arange(4), dst=1)
     elif rank == 1:
@@ -62,4 +67,5 @@ def test_torch_cpu_tensors(ranks):
         assert got["mixed"] == [30.0, 30.0]
         assert got["bor"] == [True, True, True, False]
         assert got["complex"] == [complex(3, 3)] * 2
+        assert got["future"] == [True, [6.0, 6.0], True]  # a torch future of the outputs
     assert results[1]["recv"] == [0, 1, 2, 3]
