@@ -231,6 +231,12 @@ def test_the_gloo_alias_is_logged_once_and_bad_strings_name_what_was_given(caplo
     assert len(logged) == 1 and "objstore" in logged[0], logged
     with pytest.raises(ValueError, match="backend='cpu:gloo,cpu:nccl'.*given twice"):
         group_module.backend_config("cpu:gloo,cpu:nccl")
+    # torch's Backend.GLOO names it too
+    assert raycoll.Backend.GLOO == raycoll.Backend("GLOO") == "gloo"
+    assert group_module.backend_config(raycoll.Backend.GLOO).get_device_backend_map()["cpu"] == \
+        "objstore"
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        raycoll.Backend("mpi")
 
 
 # ---------------------------------------------------------------------- arguments, honoured or refused

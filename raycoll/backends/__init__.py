@@ -59,12 +59,15 @@ class Backend(str):
     UNDEFINED = "undefined"
     OBJSTORE = "objstore"
     NCCL = "nccl"
+    #: torch's CPU backend: where raycoll takes a backend, it names raycoll's own CPU path
+    #: (``"objstore"``), so scripts that say ``Backend.GLOO`` run unchanged.
+    GLOO = "gloo"
 
     def __new__(cls, name: str) -> "Backend":
         if not isinstance(name, str):
             raise TypeError(f"Backend name must be a str, got {type(name).__name__}")
         value = name.lower()
-        if value != cls.UNDEFINED and value not in _registry:
+        if value not in (cls.UNDEFINED, cls.GLOO) and value not in _registry:
             raise ValueError(f"unknown backend {name!r}; registered: {sorted(_registry)}")
         return super().__new__(cls, value)
 
