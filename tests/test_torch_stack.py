@@ -1,8 +1,8 @@
 """torch's training stack beyond DDP on the raycoll backend: functional collectives, DTensor
-over a ``DeviceMesh`` of the raycoll group, FSDP2 ``fully_shard`` and
-``torch.distributed.checkpoint``. Each is checked against the same computation in one process,
-DTensor and FSDP2 mixed precision also against gloo in the same kind of ranks. Real Ray, real
-torch, no mocks."""
+over a ``DeviceMesh`` of the raycoll group (and its tensor parallelism), FSDP2
+``fully_shard`` and ``torch.distributed.checkpoint``. Each is checked against the same
+computation in one process, DTensor and FSDP2 mixed precision also against gloo in the same
+kind of ranks. Real Ray, real torch, no mocks."""
 
 from __future__ import annotations
 
@@ -149,6 +149,47 @@ def test_dtensor_redistribute_on_raycoll_equals_gloo_and_one_process(ray_local):
         assert got["partial_full"] == (x @ y).tolist()
         assert got["partial_shard0"] == torch.chunk(x @ y, 2, dim=0)[rank].tolist()
         assert got["sub_mesh"] == [torch.chunk(y, 2, dim=1)[rank].tolist(), y.tolist()]
+
+
+def _tensor_parallel(rank: int, steps: int) -> Any:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    dist = _init()
+    try:
+        model = _model()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data()
+        for _ in range(steps):  # every rank the whole batch: the layers are what is split
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {"params": _full(model),
+                "local": [list(p.to_local().shape) for p in model.parameters()]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_tensor_parallel_equals_single_process_training(ranks):
+    """DTensor's tensor parallelism (the first Linear split by columns, the second by rows)
+    on 2 raycoll ranks trains as one process does."""
+    steps = 3
+    results = ranks.run(_tensor_parallel, 2, steps, timeout=40)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    for _ in range(steps):
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in results:
+        _assert_params(got["params"], _full(model), 1e-5)
+        assert got["local"] == [[8, 6], [8], [3, 8], [3]]  # the bias of a row split: whole
 
 
 # ---------------------------------------------------------------------- FSDP2
