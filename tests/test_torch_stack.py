@@ -282,7 +282,8 @@ def _dcp(rank: int, path: str, save: bool) -> Dict[str, Any]:
                            optim_state_dict=state["optim"])
         model_sd, optim_sd = get_state_dict(model, opt)
         moments = [[v.full_tensor().reshape(-1).tolist() for k, v in sorted(s.items())
-                    if k in ("exp_avg", "exp_avg_sq")] for _, s in sorted(optim_sd["state"].items())]
+                    if k in ("exp_avg", "exp_avg_sq")]
+                   for _, s in sorted(optim_sd["state"].items())]
         return {"params": _full(model), "moments": moments,
                 "local_rows": [p.to_local().shape[0] for p in model.parameters()]}
     finally:
