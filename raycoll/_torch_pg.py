@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import raycoll
 from raycoll import errors
+from raycoll._torch_names import GroupNames
 from raycoll.group import ProcessGroup as RaycollGroup
 from raycoll.group import world
 
@@ -468,7 +469,7 @@ class RaycollWork(dist.Work):
 
 
 # ---------------------------------------------------------------------- the process group
-class RaycollProcessGroup(dist.ProcessGroup):
+class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     """A ``torch.distributed.ProcessGroup`` whose collectives run on a raycoll group."""
 
     def __init__(self, group: RaycollGroup, owned: bool) -> None:
