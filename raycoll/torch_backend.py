@@ -44,6 +44,8 @@ BACKEND_NAME = "raycoll"
 
 _lock = threading.Lock()
 _registered = False
+#: raycoll's modules that import torch; each registers the backend once it is defined
+_TORCH_MODULES = ("raycoll._torch_pg", "raycoll._torch_rendezvous")
 
 
 def register() -> bool:
@@ -51,6 +53,12 @@ def register() -> bool:
 
     Idempotent. Returns ``False`` when torch has no distributed support in this build.
     """
+    return _register()
+
+
+def _register(defined: Sequence[str] = ()) -> bool:
+    """:func:`register`, where the modules ``defined`` (of ``_TORCH_MODULES``, at the end of
+    their own import) count as imported."""
     if _registered:
         return True
     # Imported outside the lock: a first ``import torch`` runs the post-import hook, which
@@ -59,8 +67,8 @@ def register() -> bool:
 
     if not dist.is_available():
         return False
-    pending = sys.modules.get("raycoll._torch_pg")
-    if pending is not None and not _fully_imported(pending):
+    if any(m is not None and not _fully_imported(m)
+           for m in map(sys.modules.get, set(_TORCH_MODULES) - set(defined))):
         return False  # its own ``import torch`` ran the hook: it registers once defined
     from raycoll import _torch_pg
 

@@ -506,6 +506,7 @@ _IMPORT_ORDERS = {
     "register_before_torch": "import raycoll.torch_backend as tb\nassert tb.register()",
     "torch_pg_first": "import raycoll._torch_pg",
     "torch_then_torch_pg": "import torch\nimport raycoll._torch_pg",
+    "torch_rendezvous_first": "import raycoll._torch_rendezvous",
 }
 
 
