@@ -30,6 +30,7 @@ from raycoll import errors
 from raycoll._torch_names import GroupNames
 from raycoll._torch_rendezvous import _default_group, _install_rendezvous, _rank_and_size
 from raycoll.group import ProcessGroup as RaycollGroup
+from raycoll.reduce_op import as_reduce_op
 
 __all__ = ["RaycollProcessGroup", "RaycollWork", "register", "create_backend"]
 
@@ -109,12 +110,9 @@ class _Stage:
 
 
 def _reduce_op(opts: Any) -> raycoll.ReduceOp:
-    op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
-    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
-        if op == getattr(dist.ReduceOp, name):
-            return getattr(raycoll.ReduceOp, name)
-    raise ValueError(f"backend 'raycoll' cannot reduce with {op!r} (PREMUL_SUM is NCCL's): use "
-                     "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+    """raycoll's op for torch's ``opts.reduceOp``: every torch op, PREMUL_SUM with its factor
+    too (FSDP2's ``set_gradient_divide_factor``; gloo refuses it)."""
+    return as_reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
 
 
 def _one(tensors: Sequence[Any], name: str) -> Any:

@@ -193,7 +193,8 @@ def test_tensor_parallel_equals_single_process_training(ranks):
 
 
 # ---------------------------------------------------------------------- FSDP2
-def _fsdp_train(rank: int, world: int, steps: int, backend: str, bf16: bool) -> Any:
+def _fsdp_train(rank: int, world: int, steps: int, backend: str, bf16: bool,
+                divide: Any = None) -> Any:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -205,8 +206,12 @@ def _fsdp_train(rank: int, world: int, steps: int, backend: str, bf16: bool) -> 
         for layer in (model[0], model[2]):
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
+        if divide is not None:  # a factor other than the world size: a PREMUL_SUM reduction
+            for layer in (model[0], model[2], model):  # each sharded module's own setting
+                layer.set_gradient_divide_factor(divide)
         local = [p.to_local().shape[0] for p in model.parameters()]
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = (torch.optim.Adam(model.parameters(), lr=0.01) if divide is None
+               else torch.optim.SGD(model.parameters(), lr=0.05))  # SGD: the scale shows
         x, y = _data()
         per = len(x) // world
         for _ in range(steps):
@@ -239,6 +244,23 @@ def test_fsdp2_fully_shard_equals_single_process_training(ranks):
     # 16 and 3 rows, split as torch.chunk does
     assert [got["local_rows"] for got in results] == [[8, 8, 2, 2], [8, 8, 1, 1]]
     assert results[0]["params"] == results[1]["params"]
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_gradient_divide_factor_reduces_with_premul_sum(ranks):
+    """set_gradient_divide_factor(1.0): gradients summed, not averaged, over the 2 ranks (a
+    PREMUL_SUM, which gloo refuses): as one process whose loss is 2x the whole batch's."""
+    steps, world = 2, 2
+    results = ranks.run(_fsdp_train, world, world, steps, "raycoll", False, 1.0, timeout=60)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data()
+    for _ in range(steps):
+        (_loss(model, x, y) * world).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in results:
+        _assert_params(got["params"], _full(model), 1e-5)
 
 
 @pytest.mark.timeout(90)
