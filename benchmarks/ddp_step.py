@@ -9,8 +9,11 @@ gloo (``init_method=tcp://127.0.0.1:<free port>``, ``GLOO_SOCKET_IFNAME=lo``: ev
 stays on loopback). The two alternate for ``--rounds`` rounds of ``--steps`` timed steps
 (after ``--warmup`` untimed ones), so that both see the same machine. A step is forward,
 backward (DDP's bucketed gradient all_reduces overlap it) and ``optimizer.step()``, timed on
-every rank; the figure is the median over steps of the slowest rank. ``--json`` prints the
-numbers as JSON too.
+every rank; the figure is the median over steps of the slowest rank. Each rank also reports
+the CPU a step costs it: its main thread (forward, backward, DDP's reducer and bucket copies,
+the optimizer) and its other threads (the backend's communication: raycoll's worker thread,
+gloo's threads), medians over steps, averaged over ranks. ``--json`` prints the numbers as
+JSON too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ray
 
@@ -48,25 +51,33 @@ def _free_port() -> int:
 
 
 def _step_times(model: Any, x: Any, cfg: Dict[str, Any],
-                before: Callable[[], Any] = lambda: None) -> List[float]:
+                before: Callable[[], Any] = lambda: None,
+                cpu: Optional[Dict[str, List[float]]] = None) -> List[float]:
     """Seconds of each of ``cfg["steps"]`` training steps (forward, backward, SGD step),
-    after ``cfg["warmup"]`` untimed ones; ``before()`` runs untimed ahead of every step."""
+    after ``cfg["warmup"]`` untimed ones; ``before()`` runs untimed ahead of every step.
+    ``cpu``: gets each step's CPU seconds of this thread (``main``) and of the process's
+    other threads (``other``)."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
         before()
-        start = time.perf_counter()
+        start, main, proc = time.perf_counter(), time.thread_time(), time.process_time()
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         if i >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
+            if cpu is not None:
+                main = time.thread_time() - main
+                cpu["main"].append(main)
+                cpu["other"].append(time.process_time() - proc - main)
     return times
 
 
-def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any]) -> List[float]:
+def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any],
+                cpu: Dict[str, List[float]]) -> List[float]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -81,20 +92,22 @@ def _time_steps(rank: int, backend: str, port: int, cfg: Dict[str, Any]) -> List
         model = DDP(make_model(cfg["params"]))
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(cfg["batch"], 2048, generator=g)
-        return _step_times(model, x, cfg, before=dist.barrier)
+        return _step_times(model, x, cfg, before=dist.barrier, cpu=cpu)
     finally:
         dist.destroy_process_group()
 
 
-def bench_rank(rank: int, cfg: Dict[str, Any], ports: List[int]) -> Dict[str, List[float]]:
+def bench_rank(rank: int, cfg: Dict[str, Any], ports: List[int]) -> Dict[str, Any]:
     """Every rank: alternate the two backends for ``rounds`` rounds."""
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    out: Dict[str, List[float]] = {"raycoll": [], "gloo": []}
+    out: Dict[str, Any] = {"raycoll": [], "gloo": []}
+    cpu: Dict[str, Dict[str, List[float]]] = {b: {"main": [], "other": []} for b in out}
     for r in range(cfg["rounds"]):
         for backend in ("raycoll", "gloo") if r % 2 == 0 else ("gloo", "raycoll"):
-            out[backend] += _time_steps(rank, backend, ports[r], cfg)
+            out[backend] += _time_steps(rank, backend, ports[r], cfg, cpu[backend])
+    out["cpu"] = {b: {k: statistics.median(v) for k, v in c.items()} for b, c in cpu.items()}
     return out
 
 
@@ -134,7 +147,10 @@ def main(argv: Sequence[str] = ()) -> int:
     summary: Dict[str, Any] = {"config": cfg, "parameters": numel}
     for backend in ("raycoll", "gloo"):
         per_step = [max(r[backend][i] for r in results) for i in range(len(results[0][backend]))]
-        summary[backend] = {"median_s": statistics.median(per_step), "min_s": min(per_step)}
+        summary[backend] = {"median_s": statistics.median(per_step), "min_s": min(per_step),
+                            "cpu_main_s": statistics.mean(r["cpu"][backend]["main"] for r in results),
+                            "cpu_other_s": statistics.mean(r["cpu"][backend]["other"]
+                                                           for r in results)}
     summary["gloo_over_raycoll"] = summary["gloo"]["median_s"] / summary["raycoll"]["median_s"]
     summary["compute_only_s"] = compute_only(cfg)
     print(f"DDP step, {numel / 1e6:.1f}M float32 parameters, {args.world_size} ranks, batch "
@@ -142,7 +158,9 @@ def main(argv: Sequence[str] = ()) -> int:
           f"{args.rounds} x {args.steps} steps each")
     for backend in ("raycoll", "gloo"):
         s = summary[backend]
-        print(f"  {backend:8s} median {s['median_s'] * 1e3:8.1f} ms   min {s['min_s'] * 1e3:8.1f} ms")
+        print(f"  {backend:8s} median {s['median_s'] * 1e3:8.1f} ms   min {s['min_s'] * 1e3:8.1f} ms"
+              f"   CPU a step per rank: main thread {s['cpu_main_s'] * 1e3:6.1f} ms, other "
+              f"threads {s['cpu_other_s'] * 1e3:6.1f} ms")
     print(f"  compute only (one process, no DDP): {summary['compute_only_s'] * 1e3:.1f} ms")
     print(f"  gloo / raycoll step time: {summary['gloo_over_raycoll']:.2f}x")
     if args.json:

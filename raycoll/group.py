@@ -26,6 +26,7 @@ from raycoll.backends import BackendConfig
 from raycoll.backends._cuda import select_device
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.transport.base import overlapping
 from raycoll.work import DevicePending, Work
 
 logger = logging.getLogger("raycoll")
@@ -309,9 +310,12 @@ class ProcessGroup:
             else:
                 self._submit(call, fn, nbytes).result()
             return None
-        future = self._submit(call, fn, nbytes)
+        # until someone waits for the Work, the caller computes beside it: no spinning
+        waited = threading.Event()
+        future = self._submit(call, fn, nbytes, waited)
         return Work(future, describe=f"{call.op} #{call.seq} on group {self._name!r}",
-                    on_timeout=lambda s: self._work_timed_out(call, s), outputs=outputs)
+                    on_timeout=lambda s: self._work_timed_out(call, s), outputs=outputs,
+                    on_wait=waited.set)
 
     # -- stream-ordered backends (NCCL): enqueue in the caller's thread, in issue order
     def _stream_ordered(self, call: Call) -> bool:
@@ -386,15 +390,17 @@ class ProcessGroup:
                     max_workers=4, thread_name_prefix=f"raycoll-p2p-{self._name}")
         return Work(self._p2p_pool.submit(finish), describe=describe, outputs=outputs)
 
-    def _submit(self, call: Call, fn: Callable[[], Any],
-                nbytes: Optional[int] = None) -> "concurrent.futures.Future[Any]":
+    def _submit(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None,
+                waited: Optional[threading.Event] = None) -> "concurrent.futures.Future[Any]":
+        """Queue ``fn`` on the group's worker thread; ``waited``: set once someone waits for
+        it (until then its transport waits do not spin: see ``transport.base.overlapping``)."""
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"raycoll-{self._name}")
             self._outstanding += 1
         try:
-            future = self._executor.submit(self._execute, call, fn, nbytes)
+            future = self._executor.submit(self._execute, call, fn, nbytes, waited)
         except RuntimeError:
             with self._lock:
                 self._outstanding -= 1
@@ -407,7 +413,11 @@ class ProcessGroup:
         with self._lock:
             self._outstanding -= 1
 
-    def _execute(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None) -> Any:
+    def _execute(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None,
+                 waited: Optional[threading.Event] = None) -> Any:
+        if waited is not None:
+            with overlapping(waited):
+                return self._execute(call, fn, nbytes)
         self.check_usable()
         fn = self._guarded(call, fn)
         if self._debug:

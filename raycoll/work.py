@@ -143,11 +143,13 @@ class Work:
         describe: str,
         on_timeout: Optional[Callable[[float], BaseException]] = None,
         outputs: Optional[List[Any]] = None,
+        on_wait: Optional[Callable[[], None]] = None,
     ) -> None:
         self._inner = inner
         self._describe = describe
         self._on_timeout = on_timeout
         self._outputs = outputs or []
+        self._on_wait = on_wait  # someone waits now (the operation's waits may spin)
 
     def __repr__(self) -> str:
         state = "completed" if self._inner.done() else "pending"
@@ -160,6 +162,8 @@ class Work:
         default, ``timedelta(0)``) means no bound of its own: the operation's, the group's
         timeout, applies."""
         seconds = None if _is_zero(timeout) else to_seconds(timeout)
+        if self._on_wait is not None:
+            self._on_wait()
         start = time.monotonic()
         try:
             value = self._inner.result(seconds)

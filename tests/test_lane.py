@@ -355,3 +355,52 @@ def test_join_rounds_ride_the_lane(actors):
     for kind, message in messages:
         assert kind == "mismatch" and "join" in message and "all_reduce" in message, message
     assert "notify_join_context" in messages[0][1], messages[0]
+
+
+def _overlapped_wait_cpu(rank: int) -> Any:
+    """Rank 0 issues an async all_reduce its peers join 0.5 s late and 'computes' (sleeps)
+    meanwhile: the CPU this process burns while the collective waits, and the result."""
+    _works()  # the lane is set up
+    x = np.full(4, float(rank + 1))
+    if rank != 0:
+        time.sleep(0.5)
+        raycoll.all_reduce(x)
+        return x.tolist(), None
+    cpu = time.process_time()
+    work = raycoll.all_reduce(x, async_op=True)
+    time.sleep(0.45)  # the caller's own work, beside the collective
+    burnt = time.process_time() - cpu
+    work.wait()
+    return x.tolist(), burnt
+
+
+@pytest.mark.timeout(120)
+def test_an_async_collective_waits_without_spinning_while_its_caller_computes(actors):
+    """3 ranks on 2 cores yield-poll while they wait (``lane_yield_s``, here 1 s, burns a
+    core); an async collective nobody waits for yet sleeps between polls instead, leaving the
+    core to its caller: the process burns far less than the 0.45 s it waited."""
+    out = _on(actors, _overlapped_wait_cpu, options={"lane_yield_s": 1.0})
+    assert [x for x, _ in out] == [[6.0] * 4] * 3
+    burnt = out[0][1]
+    assert burnt < 0.15, f"the waiting async all_reduce burnt {burnt:.3f}s of CPU in 0.45s"
+
+
+@pytest.mark.timeout(30)
+def test_only_waits_inside_an_unwaited_overlapping_operation_are_kept_from_spinning():
+    import threading
+
+    from raycoll.transport.base import may_spin, overlapping
+
+    waited = threading.Event()
+    assert may_spin()
+    with overlapping(waited):
+        assert not may_spin()
+        waited.set()
+        assert may_spin()
+    with overlapping(threading.Event()):
+        seen: List[bool] = []
+        other = threading.Thread(target=lambda: seen.append(may_spin()))
+        other.start()
+        other.join()
+        assert seen == [True]  # per thread: only the worker running the operation
+    assert may_spin()

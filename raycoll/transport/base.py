@@ -13,7 +13,11 @@ skip what an earlier failed call left, keep what a later call sent early), the
 fingerprint check (every rank sees every rank's fingerprint, so a mismatch raises the same
 ``CollectiveMismatchError`` everywhere), rejections, and the waiting policy with its
 control-plane checks (a dead rank, an abort or a timeout ends the wait with the
-coordinator's error; see ``Coordinator.lane_check``). A transport implements four hooks:
+coordinator's error; see ``Coordinator.lane_check``). A collective that runs while its caller
+goes on computing (``async_op=True``, on the group's worker thread, until someone waits for
+its ``Work``: see :func:`overlapping`) never spins or yields-polls: it sleeps between polls,
+leaving the core to the caller (measured with torch's DDP, whose bucket all_reduces overlap
+the backward pass: benchmarks/BENCHMARKS.md). A transport implements four hooks:
 
 - ``_write(message, spin)``: hand this rank's message for the round over; ``True`` once
   all of it went (called again with the same message until then);
@@ -30,10 +34,11 @@ neither goes through the coordinator and the object store (raycoll.backends.objs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,7 +48,7 @@ from raycoll.coordinator import fingerprint_mismatch
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import Call, GroupContext
 
-__all__ = ["PerPeer", "RoundTransport", "Message", "project", "own"]
+__all__ = ["PerPeer", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
 
 #: ``(kind, epoch, (seq, round), fingerprint, payload)``; kind ``"msg"`` or ``"reject"``.
 Message = Tuple[str, str, Tuple[int, int], Any, Any]
@@ -59,6 +64,29 @@ PROBE_NOW = float("inf")
 FAILURE_GRACE_S = 2.0
 #: A rank busy with collectives on a transport tells the coordinator their progress this often.
 REPORT_EVERY_S = 0.1
+
+
+_OVERLAP = threading.local()
+
+
+@contextlib.contextmanager
+def overlapping(waited: threading.Event) -> Iterator[None]:
+    """Run the body as a collective that overlaps its caller's work: until ``waited`` is set
+    (someone waits for the operation), waits on a transport in this thread sleep between
+    polls instead of spinning or yield-polling, which would take the core from the caller."""
+    before = getattr(_OVERLAP, "waited", None)
+    _OVERLAP.waited = waited
+    try:
+        yield
+    finally:
+        _OVERLAP.waited = before
+
+
+def may_spin() -> bool:
+    """Whether a wait in this thread may spin: not inside :func:`overlapping`, or someone
+    waits for the operation by now."""
+    waited: Optional[threading.Event] = getattr(_OVERLAP, "waited", None)
+    return waited is None or waited.is_set()
 
 
 class PerPeer(list):
@@ -398,7 +426,10 @@ class _Waiter:
         self.plane = plane
         self.call = call
         self.start = start
-        self.first = True
+        # the first pass of a round may spin (and a crowded node yield-poll), unless the
+        # caller is still computing beside this wait (see ``overlapping``)
+        self.spin = may_spin()
+        self.first = self.spin
         self.sleep = plane.poll_min_s
         self.begun = time.monotonic()
         self.check_at = self.begun + CHECK_FIRST_S
@@ -408,7 +439,7 @@ class _Waiter:
         """Nothing came this pass: wait a little; check with the coordinator or time out
         when it is time to."""
         self.first = False
-        if time.monotonic() - self.begun < self.plane.yield_s:
+        if self.spin and time.monotonic() - self.begun < self.plane.yield_s:
             os.sched_yield()  # oversubscribed: let a peer that is still working run first
         else:
             self.plane._idle(self.sleep, pending)

@@ -39,7 +39,9 @@ Waiting: a read first spins for up to 1 ms when the group's ranks fit the node's
 otherwise (a spinning rank would take a core from the peer it waits for) it polls yielding
 its core for up to 2 ms (``sched_yield``: a peer still working on its part runs first). Then
 it polls with a sleep that doubles up to 0.5 ms, so a rank waiting for a slow peer uses a few
-percent of a core.
+percent of a core. An async collective nobody waits for yet (its caller computes beside it,
+as torch's DDP backward does beside its bucket all_reduces) neither spins nor yields: it
+sleep-polls from the start (``transport.base.overlapping``), leaving the core to the caller.
 
 A channel's buffer is reused for the next message once every reader has dropped its view of
 the current one, so readers copy what they keep and drop the rest at once. A message a rank
