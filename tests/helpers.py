@@ -214,3 +214,37 @@ def example_module(filename: str) -> Iterator[Any]:
     finally:
         ray.cloudpickle.unregister_pickle_by_value(module)
         sys.modules.pop(spec.name, None)
+
+
+# ---------------------------------------------------------------------- torch ranks (torch is
+# imported inside: the [test] extra does not install it)
+def torch_init(backend: str = "raycoll") -> Any:
+    """In a rank: ``torch.distributed`` initialised on ``backend`` (one torch thread: the
+    ranks share the machine's cores); returns the module."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend)
+    return dist
+
+
+def toy_model() -> Any:
+    """The same small MLP on every rank (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def toy_data(n: int = 64) -> Any:
+    """``n`` seeded (input, target) rows for :func:`toy_model`."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def mse(model: Any, x: Any, y: Any) -> Any:
+    """The mean squared error of ``model`` on ``(x, y)``."""
+    return ((model(x) - y) ** 2).mean()

@@ -22,6 +22,10 @@ from raycoll.launch import RankWorker
 
 import helpers
 from helpers import TORCH_MISSING
+from helpers import mse as _loss
+from helpers import torch_init as _init
+from helpers import toy_data as _data
+from helpers import toy_model as _model
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch", reason=TORCH_MISSING)
@@ -30,33 +34,6 @@ W = 3  # world size of the collectives test
 
 
 # ---------------------------------------------------------------------- rank-side helpers
-def _init() -> Any:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # several ranks share two cores
-    dist.init_process_group("raycoll")
-    return dist
-
-
-def _model() -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data(n: int = 64) -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
-
-
-def _loss(model: Any, x: Any, y: Any) -> Any:
-    return ((model(x) - y) ** 2).mean()
-
-
 def _params(model: Any) -> List[List[float]]:
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 

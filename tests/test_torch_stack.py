@@ -14,39 +14,16 @@ import pytest
 import raycoll
 
 from helpers import TORCH_MISSING
+from helpers import mse as _loss
+from helpers import torch_init as _init
+from helpers import toy_data as _data
+from helpers import toy_model as _model
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 
 # ---------------------------------------------------------------------- rank-side helpers
-def _init(backend: str = "raycoll") -> Any:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # two ranks share two cores
-    dist.init_process_group(backend)
-    return dist
-
-
-def _model() -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data(n: int = 32) -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
-
-
-def _loss(model: Any, x: Any, y: Any) -> Any:
-    return ((model(x) - y) ** 2).mean()
-
-
 def _full(model: Any) -> List[List[float]]:
     """Every parameter in full (an FSDP2 parameter is a DTensor: gathered)."""
     out = []
