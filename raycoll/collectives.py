@@ -69,11 +69,6 @@ def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
         raise TypeError(f"{name} has dtype object: tensors hold numbers (or bool, str, dates); "
                         "send Python objects with the *_object collectives (e.g. "
                         "all_gather_object)")
-    if info.dtype == "bfloat16" and info.device == "cpu":
-        raise TypeError(
-            f"{name} is a bfloat16 CPU tensor, which raycoll's CPU path cannot hold (numpy has "
-            f"no bfloat16): convert it ({name}.float()), or use torch.distributed with "
-            "init_process_group('raycoll'), whose collectives reduce bfloat16 in float32")
     if writable and not info.writable:
         raise ValueError(
             f"{name} is read-only: numpy arguments of Ray actor methods and arrays from ray.get "
@@ -156,6 +151,8 @@ def _given(value: Any) -> bool:
 
 
 def _backend(pg: ProcessGroup, info: TensorInfo) -> CollectiveBackend:
+    if info.dtype == "bfloat16" and info.device == "cpu":
+        return pg.bfloat16_backend()  # through float32 / int16 host copies
     return pg.backend(info.device)
 
 

@@ -84,6 +84,9 @@ class GroupMember(metaclass=_WorldMeta):
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
+#: The key of the backend for bfloat16 CPU tensors among a group's backends.
+_BFLOAT16_CPU = "cpu:bfloat16"
+
 #: torch's name for its CPU backend names raycoll's own CPU path here: "objstore" (CPU
 #: tensors, and CUDA tensors staged through host memory, as gloo takes them).
 GLOO, GLOO_AS = "gloo", "objstore"
@@ -259,6 +262,23 @@ class ProcessGroup:
         if backend is None:
             backend = self._config.create(device, self.context, self._name)
             self._backends[device] = backend
+        return backend
+
+    def bfloat16_backend(self) -> CollectiveBackend:
+        """The backend for bfloat16 CPU tensors, which numpy cannot hold: the CPU path through
+        host copies (:mod:`raycoll.backends.staged`: reduced in float32 and rounded back, moved
+        as their bits), created on first use."""
+        backend = self._backends.get(_BFLOAT16_CPU)
+        if backend is None:
+            from raycoll.backends.objstore import ObjstoreBackend
+            from raycoll.backends.staged import StagedBackend
+
+            if not isinstance(self.backend("cpu"), ObjstoreBackend):
+                raise TypeError(
+                    f"group {self._name!r} serves CPU tensors with backend "
+                    f"{self._config.device_backend_map['cpu']!r}, which cannot hold bfloat16 "
+                    "(numpy has none): convert the tensor (.float())")
+            backend = self._backends[_BFLOAT16_CPU] = StagedBackend(self.context)
         return backend
 
     def outstanding(self) -> int:

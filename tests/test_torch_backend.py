@@ -224,24 +224,57 @@ def test_mismatch_is_named_and_gloo_without_master_addr_fails_fast(ranks):
 def _bf16_on_raycolls_own_api(rank: int) -> Dict[str, Any]:
     import torch
 
+    bf16 = torch.bfloat16
     out: Dict[str, Any] = {}
-    try:
-        t = torch.ones(4, dtype=torch.bfloat16 if rank == 0 else torch.float32)
-        raycoll.all_reduce(t)
+    # 1 + 1/256 is not a bfloat16: each rank's value rounds, the float32 sum rounds once
+    t = torch.full((3,), 1.0 + rank / 128, dtype=bf16)
+    ptr = t.data_ptr()
+    raycoll.all_reduce(t)
+    out["sum"], out["in_place"] = t.float().tolist(), t.data_ptr() == ptr
+    avg = torch.full((2,), float(rank + 1), dtype=bf16)
+    raycoll.all_reduce(avg, op=raycoll.ReduceOp.AVG, async_op=True).wait()
+    out["avg"] = avg.float().tolist()
+    b = torch.full((2,), 0.1 * (rank + 1), dtype=bf16)
+    raycoll.broadcast(b, src=1)
+    out["bcast"] = b.view(torch.int16).tolist()  # the bits, unchanged
+    outs = [torch.empty(2, dtype=bf16) for _ in range(2)]
+    raycoll.all_gather(outs, torch.full((2,), 3.3 * rank, dtype=bf16))
+    out["gather"] = [o.view(torch.int16).tolist() for o in outs]
+    rs = torch.empty(2, dtype=bf16)
+    raycoll.reduce_scatter_tensor(rs, torch.arange(4, dtype=bf16) * (rank + 1))
+    out["rs"] = rs.float().tolist()
+    if rank == 0:
+        raycoll.send(torch.tensor([7.5, -2.25], dtype=bf16), dst=1)
+    else:
+        got = torch.zeros(2, dtype=bf16)
+        raycoll.recv(got, src=0)
+        out["recv"] = got.float().tolist()
+    try:  # bfloat16 on one rank, float32 on the other: named, not reinterpreted
+        raycoll.all_reduce(torch.ones(4, dtype=bf16 if rank == 0 else torch.float32))
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        out["error"] = [type(exc).__name__, str(exc)]
+        out["mixed"] = [type(exc).__name__, str(exc)]
     ok = torch.ones(2)
-    raycoll.all_reduce(ok)  # the group survives the refusal
+    raycoll.all_reduce(ok)  # the group survives the mismatch
     out["after"] = ok.tolist()
     return out
 
 
 @pytest.mark.timeout(60)
-def test_bfloat16_on_raycolls_own_api_is_refused_before_anything_is_sent(ranks):
-    first, second = ranks.run(_bf16_on_raycolls_own_api, 2)
-    assert first["error"][0] == "TypeError" and "init_process_group('raycoll')" in first["error"][1]
-    assert second["error"][0] == "PeerArgumentError", second
-    assert first["after"] == second["after"] == [2.0, 2.0]
+def test_bfloat16_cpu_tensors_on_raycolls_own_api(ranks):
+    """raycoll's own collectives take bfloat16 CPU tensors: reductions in float32, rounded
+    once; data movement bit for bit; bfloat16 against float32 is a named mismatch."""
+    got = ranks.run(_bf16_on_raycolls_own_api, 2)
+    bits = lambda x: torch.tensor(x, dtype=torch.bfloat16).view(torch.int16).tolist()  # noqa
+    one = torch.tensor(1.0 + 1 / 128, dtype=torch.bfloat16).float().item()
+    for rank, g in enumerate(got):
+        assert g["sum"] == [torch.tensor(1.0 + one).bfloat16().item()] * 3 and g["in_place"]
+        assert g["avg"] == [1.5, 1.5]
+        assert g["bcast"] == bits([0.2, 0.2])
+        assert g["gather"] == [bits([0.0, 0.0]), bits([3.3, 3.3])]
+        assert g["rs"] == [[0.0, 3.0], [6.0, 9.0]][rank]
+        assert g["mixed"][0] == "CollectiveMismatchError" and "bfloat16" in g["mixed"][1], g
+        assert g["after"] == [2.0, 2.0]
+    assert got[1]["recv"] == [7.5, -2.25]
 
 
 # ---------------------------------------------------------------------- DDP

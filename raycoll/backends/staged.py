@@ -9,7 +9,9 @@ complete on return, so the operation is synchronous, as on the CPU path.
 
 torch CUDA tensors are staged with torch (no cupy needed); cupy arrays and other
 ``__cuda_array_interface__`` objects with cupy. bfloat16 (torch) is reduced in float32 on the
-host and rounded back; other operations move its bits unchanged.
+host and rounded back; other operations move its bits unchanged. bfloat16 *CPU* tensors go the
+same way (numpy has no bfloat16): a group serves them with one of these backends
+(``ProcessGroup.bfloat16_backend``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class _Stage:
         else:
             self._device_view = t
             host_dtype = t.dtype
-        self._host_t = torch.empty(tuple(t.shape), dtype=host_dtype, pin_memory=True)
+        pin = t.device.type == "cuda"  # a CPU bfloat16 tensor is staged as well (no numpy bf16)
+        self._host_t = torch.empty(tuple(t.shape), dtype=host_dtype, pin_memory=pin)
         if load:
             self._host_t.copy_(self._device_view)  # synchronous: waits for the current stream
         self.host: np.ndarray = self._host_t.numpy()
