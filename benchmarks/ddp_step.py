@@ -1,6 +1,7 @@
 """DDP step time, raycoll backend vs gloo, same actors, same run.
 
     python benchmarks/ddp_step.py [--world-size 2] [--params 20] [--steps 10] [--rounds 3]
+                                  [--nodes 1]
 
 ``--world-size`` Ray actors (``raycoll.spawn``) each build the same MLP of about ``--params``
 million float32 parameters and train it with torch's ``DistributedDataParallel`` (SGD, batch
@@ -12,8 +13,10 @@ backward (DDP's bucketed gradient all_reduces overlap it) and ``optimizer.step()
 every rank; the figure is the median over steps of the slowest rank. Each rank also reports
 the CPU a step costs it: its main thread (forward, backward, DDP's reducer and bucket copies,
 the optimizer) and its other threads (the backend's communication: raycoll's worker thread,
-gloo's threads), medians over steps, averaged over ranks. ``--json`` prints the numbers as
-JSON too.
+gloo's threads), medians over steps, averaged over ranks. ``--nodes N`` starts N Ray nodes
+on this machine (``ray.cluster_utils.Cluster``) with the ranks spread over them in blocks, so
+raycoll runs across nodes (its direct connections, on loopback); the transport it used is
+printed. ``--json`` prints the numbers as JSON too.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def bench_rank(rank: int, cfg: Dict[str, Any], ports: List[int]) -> Dict[str, An
         for backend in ("raycoll", "gloo") if r % 2 == 0 else ("gloo", "raycoll"):
             out[backend] += _time_steps(rank, backend, ports[r], cfg, cpu[backend])
     out["cpu"] = {b: {k: statistics.median(v) for k, v in c.items()} for b, c in cpu.items()}
+    out["node"] = ray.get_runtime_context().get_node_id()
+    out["transport"] = raycoll.group.WORLD.context.transport_name  # the rank's default group
     return out
 
 
@@ -130,19 +135,36 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="start N Ray nodes on this machine (ray.cluster_utils.Cluster) "
+                             "and spread the ranks over them")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(list(argv))
     cfg = {"world_size": args.world_size, "params": args.params, "batch": args.batch,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
            "threads": args.threads}
-    if not ray.is_initialized():  # as raycoll.spawn would (raycoll's object-free period):
+    rank_options: Dict[str, Any] = {"num_cpus": 0}
+    if args.nodes > 1:  # one machine, several Ray nodes: the ranks in blocks, one block a node
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAYCOLL_SOCKET_IFNAME", "lo")  # direct connections on loopback
+        os.environ.setdefault("RAY_free_objects_period_milliseconds", "10")
+        per_node = -(-args.world_size // args.nodes)
+        cluster = Cluster()
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=per_node, resources={"ddp_rank": per_node},
+                             include_dashboard=False)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        rank_options["resources"] = {"ddp_rank": 1}
+    elif not ray.is_initialized():  # as raycoll.spawn would (raycoll's object-free period):
         if os.environ.get("RAY_ADDRESS"):  # the cluster in RAY_ADDRESS, else a Ray of its own
             start_ray()
         else:
             start_ray(address="local", include_dashboard=False)
     ports = [_free_port() for _ in range(args.rounds)]
     results = raycoll.spawn(bench_rank, args.world_size, args=(cfg, ports),
-                            actor_options={"num_cpus": 0})
+                            actor_options=rank_options)
     numel = sum(p.numel() for p in make_model(args.params).parameters())
     summary: Dict[str, Any] = {"config": cfg, "parameters": numel}
     for backend in ("raycoll", "gloo"):
@@ -153,7 +175,9 @@ def main(argv: Sequence[str] = ()) -> int:
                                                            for r in results)}
     summary["gloo_over_raycoll"] = summary["gloo"]["median_s"] / summary["raycoll"]["median_s"]
     summary["compute_only_s"] = compute_only(cfg)
-    print(f"DDP step, {numel / 1e6:.1f}M float32 parameters, {args.world_size} ranks, batch "
+    nodes = len({r["node"] for r in results})
+    where = f" on {nodes} Ray nodes" if nodes > 1 else ""
+    print(f"DDP step, {numel / 1e6:.1f}M float32 parameters, {args.world_size} ranks{where}, batch "
           f"{args.batch}, {args.threads} torch thread(s) per rank, "
           f"{args.rounds} x {args.steps} steps each")
     for backend in ("raycoll", "gloo"):
@@ -162,6 +186,7 @@ def main(argv: Sequence[str] = ()) -> int:
               f"   CPU a step per rank: main thread {s['cpu_main_s'] * 1e3:6.1f} ms, other "
               f"threads {s['cpu_other_s'] * 1e3:6.1f} ms")
     print(f"  compute only (one process, no DDP): {summary['compute_only_s'] * 1e3:.1f} ms")
+    print(f"  raycoll's transport: {sorted({r['transport'] for r in results})}")
     print(f"  gloo / raycoll step time: {summary['gloo_over_raycoll']:.2f}x")
     if args.json:
         print(json.dumps(summary))
