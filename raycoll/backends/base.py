@@ -246,11 +246,13 @@ class GroupContext:
         if self._links is None:
             return None
         if self._mailbox is None:
-            from raycoll.transport.tcp import Mailbox
+            from raycoll.transport.lane import oversubscribed
+            from raycoll.transport.tcp import P2P_SPIN_S, Mailbox
 
             self._mailbox = Mailbox(self._links, group=self.group_name,
                                     global_ranks=self.global_ranks, check=self._p2p_check,
-                                    explain=self._p2p_explain)
+                                    explain=self._p2p_explain,
+                                    spin_s=0.0 if oversubscribed(self.size) else P2P_SPIN_S)
         return self._mailbox
 
     def _p2p_check(self, peers: Sequence[int], waited_s: float) -> None:

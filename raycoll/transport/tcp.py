@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import numpy as np
 
 from raycoll import errors
-from raycoll.transport.base import Message, RoundTransport, project
+from raycoll.transport.base import Message, RoundTransport, may_spin, project
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import GroupContext
@@ -107,6 +107,9 @@ _GOODBYES = (_BYE, _ABORT)
 #: is declared dead (a process's death reaches the coordinator within milliseconds; a
 #: whole node's only when Ray's health check declares it dead).
 CLOSED_GRACE_S = 1.0
+#: How long a receive polls its sockets before it sleeps in select, where each rank has a
+#: core (a wake-up from select costs about as long as a small reply takes to come).
+P2P_SPIN_S = 0.001
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -771,12 +774,16 @@ class Mailbox:
 
     def __init__(self, links: Links, *, group: str, global_ranks: Sequence[int],
                  check: Callable[[Sequence[int], float], None],
-                 explain: Callable[[Sequence[int]], Optional[BaseException]]) -> None:
+                 explain: Callable[[Sequence[int]], Optional[BaseException]],
+                 spin_s: float = 0.0) -> None:
         self.links = links
         self.group = group
         self.global_ranks = tuple(global_ranks)
         self._check = check
         self._explain = explain
+        #: a receive polls its sockets this long before it sleeps in select (a wake-up from
+        #: select costs more than a short reply takes to come); 0 where ranks share cores
+        self.spin_s = spin_s
         self._cv = threading.Condition()
         self._posted: List[_Posted] = []
         self._stash: List[Tuple[int, int, Any, np.ndarray]] = []
@@ -878,7 +885,9 @@ class Mailbox:
         begun = time.monotonic()
         next_check = begun + 0.1
         every = 0.1
-        first = True  # read at once: the message is often there already (no select)
+        # read at once (the message is often there already), then poll until spin_until
+        # unless the caller computes beside this wait (an async receive nobody waits for)
+        spin_until = begun + self.spin_s if self.spin_s and may_spin() else begun
         while True:
             with self._cv:
                 while not posted.done and self._reading:
@@ -901,8 +910,7 @@ class Mailbox:
                         timeout_s)
                 self._reading = True
             try:
-                self._pump(posted, min(0.05, deadline - now), wait=not first)
-                first = False
+                self._pump(posted, min(0.05, deadline - now), wait=now > spin_until)
                 if time.monotonic() >= next_check and not posted.done:
                     peers = [posted.src] if posted.src is not None else [
                         j for j in range(self.links.size) if j != self.links.rank]
