@@ -408,7 +408,14 @@ class ProcessGroup:
             if self._p2p_pool is None:
                 self._p2p_pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=4, thread_name_prefix=f"raycoll-p2p-{self._name}")
-        return Work(self._p2p_pool.submit(finish), describe=describe, outputs=outputs)
+        waited = threading.Event()  # as for collectives: no spinning until someone waits
+
+        def overlapped() -> Any:
+            with overlapping(waited):
+                return finish()
+
+        return Work(self._p2p_pool.submit(overlapped), describe=describe, outputs=outputs,
+                    on_wait=waited.set)
 
     def _submit(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None,
                 waited: Optional[threading.Event] = None) -> "concurrent.futures.Future[Any]":
