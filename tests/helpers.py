@@ -248,3 +248,19 @@ def toy_data(n: int = 64) -> Any:
 def mse(model: Any, x: Any, y: Any) -> Any:
     """The mean squared error of ``model`` on ``(x, y)``."""
     return ((model(x) - y) ** 2).mean()
+
+
+def one_process(steps: int, optimizer: str, lr: float, loss_scale: float = 1.0) -> Any:
+    """:func:`toy_model` trained in this process on all of :func:`toy_data` for ``steps``
+    steps (``optimizer`` "sgd" or "adam"): the reference a distributed run must reach."""
+    import torch
+
+    model = toy_model()
+    make = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+    opt = make(model.parameters(), lr=lr)
+    x, y = toy_data()
+    for _ in range(steps):
+        (mse(model, x, y) * loss_scale).backward()
+        opt.step()
+        opt.zero_grad()
+    return model

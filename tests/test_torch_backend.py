@@ -23,6 +23,7 @@ from raycoll.launch import RankWorker
 import helpers
 from helpers import TORCH_MISSING
 from helpers import mse as _loss
+from helpers import one_process
 from helpers import torch_init as _init
 from helpers import toy_data as _data
 from helpers import toy_model as _model
@@ -421,13 +422,7 @@ def _zero(rank: int, world: int, steps: int) -> Any:
 def test_zero_redundancy_optimizer(ranks):
     steps, world = 4, 2
     results = ranks.run(_zero, world, world, steps)
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
-    for _ in range(steps):
-        _loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    model = one_process(steps, "adam", 0.01)
     want = _params(model)
     for got in results:
         _assert_params(got["params"], want, 1e-4)  # Adam: float rounding, normalized

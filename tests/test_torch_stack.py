@@ -15,6 +15,7 @@ import raycoll
 
 from helpers import TORCH_MISSING
 from helpers import mse as _loss
+from helpers import one_process
 from helpers import torch_init as _init
 from helpers import toy_data as _data
 from helpers import toy_model as _model
@@ -157,13 +158,7 @@ def test_tensor_parallel_equals_single_process_training(ranks):
     on 2 raycoll ranks trains as one process does."""
     steps = 3
     results = ranks.run(_tensor_parallel, 2, steps, timeout=40)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    for _ in range(steps):
-        _loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    model = one_process(steps, "sgd", 0.1)
     for got in results:
         _assert_params(got["params"], _full(model), 1e-5)
         assert got["local"] == [[8, 6], [8], [3, 8], [3]]  # the bias of a row split: whole
@@ -208,13 +203,7 @@ def test_fsdp2_fully_shard_equals_single_process_training(ranks):
     batch, and each rank held only its half of every parameter's rows."""
     steps, world = 3, 2
     results = ranks.run(_fsdp_train, world, world, steps, "raycoll", False, timeout=60)
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
-    for _ in range(steps):
-        _loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    model = one_process(steps, "adam", 0.01)
     want = _full(model)
     for got in results:
         _assert_params(got["params"], want, 1e-5)
@@ -229,13 +218,7 @@ def test_fsdp2_gradient_divide_factor_reduces_with_premul_sum(ranks):
     PREMUL_SUM, which gloo refuses): as one process whose loss is 2x the whole batch's."""
     steps, world = 2, 2
     results = ranks.run(_fsdp_train, world, world, steps, "raycoll", False, 1.0, timeout=60)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = _data()
-    for _ in range(steps):
-        (_loss(model, x, y) * world).backward()
-        opt.step()
-        opt.zero_grad()
+    model = one_process(steps, "sgd", 0.05, loss_scale=world)
     for got in results:
         _assert_params(got["params"], _full(model), 1e-5)
 
