@@ -31,6 +31,7 @@ from raycoll._torch_names import GroupNames
 from raycoll._torch_rendezvous import _default_group, _install_rendezvous, _rank_and_size
 from raycoll.group import ProcessGroup as RaycollGroup
 from raycoll.reduce_op import as_reduce_op
+from raycoll.work import future_error
 
 __all__ = ["RaycollProcessGroup", "RaycollWork", "register", "create_backend"]
 
@@ -185,10 +186,7 @@ class RaycollWork(dist.Work):
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 self._error = exc
         if self._error is not None:
-            error = self._error
-            if not isinstance(error, Exception):  # torch's set_exception refuses the rest,
-                error = RuntimeError(f"{type(error).__name__}: {error}")  # never completing
-            self._settled.set_exception(error)
+            self._settled.set_exception(future_error(self._error))
         else:
             self._settled.set_result(self._outputs)
 

@@ -125,6 +125,13 @@ class Future:
         return out
 
 
+def future_error(exc: BaseException) -> Exception:
+    """``exc`` as a torch future can hold it: torch's ``set_exception`` takes only an
+    ``Exception`` (given anything else the future never completes), so the rest travel as a
+    ``RuntimeError`` naming them."""
+    return exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
 def _torch_future(outputs: List[Any]) -> Any:
     """A new ``torch.futures.Future`` if ``outputs`` hold a torch tensor, else ``None``."""
     torch = sys.modules.get("torch")
@@ -215,9 +222,7 @@ class Work:
 
         def settle(exc: Optional[BaseException]) -> None:
             if exc is not None:
-                if not isinstance(exc, Exception):  # torch's futures hold Exceptions only
-                    exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-                out.set_exception(exc)
+                out.set_exception(future_error(exc))
             else:
                 out.set_result(self._outputs)
 
