@@ -137,7 +137,7 @@ def send_object_list(object_list: List[Any], dst: Optional[int] = None, group: G
     except Exception as exc:  # noqa: BLE001 - pickling raises many types
         raise TypeError(f"object_list cannot be pickled ({type(exc).__name__}: {exc})") from exc
     header = np.array([len(object_list), len(payload)], dtype=np.int64)
-    data = np.frombuffer(payload, dtype=np.uint8).copy()
+    data = np.frombuffer(payload, dtype=np.uint8)  # read-only is fine: a send only reads
     for tensor in (header, data):
         if use_batch:
             from raycoll.collectives import P2POp, batch_isend_irecv, isend
