@@ -45,6 +45,8 @@ __all__ = [
 
 #: The default collective timeout (torch's default process-group timeout, 30 minutes).
 DEFAULT_TIMEOUT_S = 30 * 60.0
+#: How long a rank that found its group broken waits for the coordinator to record it.
+ABORT_RECORD_S = 2.0
 
 
 class _NonMember:
@@ -504,7 +506,13 @@ class ProcessGroup:
         failed = getattr(exc, "failed_ranks", ())
         key = self._root.name if failed else self._name
         kind = "rank_failed" if failed else "aborted"
-        self._root.client.submit("abort", key, kind, str(exc), {"failed_ranks": list(failed)})
+        # Recorded before the caller closes this rank's connections: a peer that sees them
+        # close then asks the coordinator and learns why, rather than taking this rank for dead.
+        try:
+            self._root.client.call("abort", key, kind, str(exc), {"failed_ranks": list(failed)},
+                                   timeout_s=ABORT_RECORD_S)
+        except errors.RaycollError:
+            pass  # the coordinator is gone or stuck: the peers judge by their connections
 
     def _work_timed_out(self, call: Call, seconds: float) -> BaseException:
         missing: List[int] = []

@@ -262,3 +262,27 @@ def test_re_forming_a_group_100_times_leaks_no_file_descriptor(rank_actors):
     after = ray.get([a.run.remote(_fds, r, (), {}) for r, a in enumerate(team)], timeout=60)
     # (Ray's own connections to the coordinators come and go: a little slack, not a trend)
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+def test_a_peer_whose_data_is_still_unread_counts_as_closed_once_it_closed():
+    """A dead peer's last frames may still sit unread in this rank's buffer: it is
+    suspected all the same (a peek would see its data, not the end); a live peer with
+    unread data is not."""
+    from raycoll.transport.tcp import Links
+
+    links = Links(key=f"closed-{uuid.uuid4().hex[:8]}", rank=0, size=3, secret=b"s",
+                  addresses=[None] * 3, nodes=["n"] * 3)
+    ends = {}
+    try:
+        for src in (1, 2):
+            mine, theirs = socket.socketpair()
+            theirs.sendall(b"frame" * 1000)
+            links.accepted(src, "coll", mine)
+            ends[src] = theirs
+        assert links.closed_peers() == []
+        ends.pop(1).close()
+        assert links.closed_peers() == [1]
+    finally:
+        links.close()
+        for sock in ends.values():
+            sock.close()

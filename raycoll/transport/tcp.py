@@ -107,6 +107,8 @@ _GOODBYES = (_BYE, _ABORT)
 #: is declared dead (a process's death reaches the coordinator within milliseconds; a
 #: whole node's only when Ray's health check declares it dead).
 CLOSED_GRACE_S = 1.0
+#: poll() events that say a connection's other end is closed.
+_CLOSED_EVENTS = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 #: How long a receive polls its sockets before it sleeps in select, where each rank has a
 #: core (a wake-up from select costs about as long as a small reply takes to come).
 P2P_SPIN_S = 0.001
@@ -578,16 +580,24 @@ class Links:
         return len(self._out) + len(self._in)
 
     def closed_peers(self) -> List[int]:
-        """Group ranks whose incoming connections are closed (their processes are gone)."""
+        """Group ranks whose incoming connections are closed (their processes are gone),
+        also where data they sent before closing is still unread (``POLLRDHUP``, where the
+        platform has it: a peek sees that data, not the end)."""
         gone = set()
+        poller, owners = select.poll(), {}
         for (src, _purpose), sock in list(self._in.items()):
             try:
                 if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     gone.add(src)
+                    continue
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:
                 gone.add(src)
+                continue
+            owners[sock.fileno()] = src
+            poller.register(sock, _CLOSED_EVENTS)
+        gone |= {owners[fd] for fd, events in poller.poll(0) if events & _CLOSED_EVENTS}
         return sorted(gone)
 
     def suspects(self, src: Optional[int], exc: BaseException) -> List[int]:
