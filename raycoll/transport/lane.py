@@ -72,11 +72,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import ray
 
 from raycoll.transport.base import RoundTransport, report_period_s
+from raycoll.transport.tcp import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import GroupContext
@@ -96,6 +97,11 @@ YIELD_S = 0.002
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
 _TIMEOUT = ray.exceptions.RayChannelTimeoutError
+#: A message of at most this many bytes is written as one frame of bytes (the direct
+#: transport's framing, raycoll.transport.tcp): Ray's serializer costs several times as much
+#: per small message. Larger ones go through Ray's serializer, whose arrays peers read in
+#: place in the writer's channel.
+FRAME_MAX_BYTES = 64 << 10
 
 #: The most one rank sends in one round of a collective on a round transport (group option
 #: ``lane_bytes``). Each rank's lane channel is allocated at this size (plus room for the
@@ -217,10 +223,15 @@ class LaneTransport(RoundTransport):
         self.spin_s = 0.0 if crowded else SPIN_S
         self.yield_s = float(ctx.options.get("lane_yield_s", YIELD_S)) if crowded else 0.0
         self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S
+        self._framed: Optional[Tuple[Any, Any]] = None  # (message, what is written for it)
 
     def _write(self, message: Any, spin: bool) -> bool:
+        if self._framed is None or self._framed[0] is not message:
+            frame = b"".join(encode_round(message))
+            self._framed = (message, frame if len(frame) <= FRAME_MAX_BYTES else message)
         try:
-            self._out.write(message, timeout=self.spin_s if spin else 0)
+            self._out.write(self._framed[1], timeout=self.spin_s if spin else 0)
+            self._framed = None
             return True
         except _TIMEOUT:
             return False
@@ -232,7 +243,7 @@ class LaneTransport(RoundTransport):
             return None
         if isinstance(message, BaseException):  # the channel's error bit (closed)
             raise message
-        return message
+        return decode_frame(message) if isinstance(message, bytes) else message
 
     def _write_reject(self, message: Any) -> None:
         self._out.write(message, timeout=0)

@@ -301,6 +301,24 @@ def decode_round(meta: bytes, bufs: Sequence[Any]) -> Any:
     return _put_arrays(pickle.loads(meta), bufs)
 
 
+def decode_frame(frame: Any) -> Any:
+    """The message of one whole frame held in memory (``b"".join(encode_round(obj))``); its
+    arrays view ``frame``."""
+    view = memoryview(frame)
+    magic, meta_len, nbufs = _HDR.unpack_from(view)
+    if magic != _FRAME_MAGIC:
+        raise FrameError("not a raycoll frame")
+    at = _HDR.size + meta_len
+    meta = view[_HDR.size:at]
+    lens = [_LEN.unpack_from(view, at + i * _LEN.size)[0] for i in range(nbufs)]
+    at += nbufs * _LEN.size
+    bufs = []
+    for n in lens:
+        bufs.append(view[at:at + n])
+        at += n
+    return decode_round(meta, bufs)
+
+
 def encode_raw(meta: Any, data: memoryview) -> List[memoryview]:
     """A frame of a pickled ``meta`` and one raw buffer."""
     m = pickle.dumps(meta, protocol=5)
