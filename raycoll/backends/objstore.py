@@ -393,7 +393,8 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
     def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> None:
         ins = [host_view(t) for t in inputs]
         outs = [host_view(t) for t in outputs]
-        self._all_to_all(outs, ins, [array_meta(a) for a in ins], [array_meta(a) for a in outs], call)
+        self._all_to_all(outs, ins, [array_meta(a) for a in ins],
+                         [array_meta(a) for a in outs], call)
 
     def all_to_all_single(self, output: Any, tensor: Any, output_splits: List[int],
                           input_splits: List[int], call: Call) -> None:
@@ -406,7 +407,8 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
             shaped = flat.reshape((-1,) + trailing) if out.ndim else flat
             out_off = np.concatenate([[0], np.cumsum(output_splits)]).astype(int)
             outs = [shaped[out_off[s]:out_off[s + 1]] for s in range(self.ctx.size)]
-            self._all_to_all(outs, ins, [array_meta(a) for a in ins], [array_meta(a) for a in outs], call)
+            self._all_to_all(outs, ins, [array_meta(a) for a in ins],
+                             [array_meta(a) for a in outs], call)
 
     def _all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], send_meta: List[Any],
                     recv_meta: List[Any], call: Call) -> None:

@@ -64,7 +64,7 @@ def _iface_address(name: str) -> str:
 
 
 def listen_address() -> str:
-    """Where this process listens (see the module docstring)."""
+    """Where this process listens (see :mod:`raycoll.transport.tcp`, "Addresses")."""
     name = os.environ.get(IFNAME_ENV)
     if name:
         return _iface_address(name)
