@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from raycoll import bench
-from raycoll._peers import OPS, effective_nbytes
+from raycoll.bench.peers import OPS, effective_nbytes
+from raycoll.bench.ranks import pattern
 
 
 # ---------------------------------------------------------------------- pure logic
@@ -149,6 +150,6 @@ def test_module_entry_point_prints_help() -> None:
 
 def test_checked_patterns_are_exact_in_small_dtypes() -> None:
     # 16 ranks of the pattern sum exactly even in float16, so --check never counts rounding.
-    total = np.sum([bench._pattern(r, 0, 1000, np.dtype("float16")) for r in range(16)], axis=0)
-    exact = np.sum([bench._pattern(r, 0, 1000, np.dtype("int64")) for r in range(16)], axis=0)
+    total = np.sum([pattern(r, 0, 1000, np.dtype("float16")) for r in range(16)], axis=0)
+    exact = np.sum([pattern(r, 0, 1000, np.dtype("int64")) for r in range(16)], axis=0)
     assert np.array_equal(total.astype(np.int64), exact)

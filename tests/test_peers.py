@@ -1,4 +1,5 @@
-"""The benchmark's peers (raycoll._peers) on a real local Ray: gloo, ray.util.collective, floors."""
+"""The benchmark's peers and Ray's floors (raycoll.bench.peers, raycoll.bench.floors) on a real
+local Ray: gloo, ray.util.collective, an actor-call round trip, a plain ray.get."""
 
 from __future__ import annotations
 
@@ -9,16 +10,15 @@ from typing import Iterator, Type
 import pytest
 import ray
 
-from raycoll._peers import (
+from raycoll.bench.floors import actor_round_trip_seconds, plain_get_seconds
+from raycoll.bench.peers import (
     OPS,
     GlooPeer,
     NotSupportedByPeer,
     Peer,
     RayCollectivePeer,
-    actor_round_trip_seconds,
     canonical_op,
     effective_nbytes,
-    plain_get_seconds,
 )
 
 PEERS = [GlooPeer, RayCollectivePeer]

@@ -291,7 +291,7 @@ def test_a_peer_whose_data_is_still_unread_counts_as_closed_once_it_closed():
 def test_a_frame_held_in_memory_decodes_to_its_message():
     """The lane writes small messages as one frame of bytes (the direct transport's
     framing): the message comes back whole, its arrays equal and of their dtype and shape."""
-    from raycoll.transport.tcp import decode_frame, encode_round
+    from raycoll.transport.frames import decode_frame, encode_round
 
     arr = np.arange(12, dtype=np.int16).reshape(3, 4)
     message = ("msg", "epoch", (7, 1), {"op": "all_reduce"}, [arr, None, (arr[:, 1], b"x")])

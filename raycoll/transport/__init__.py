@@ -3,8 +3,10 @@
 - :mod:`raycoll.transport.base`: the round interface every CPU algorithm is written against,
   and the round loop, fingerprint checks and waiting policy all transports share;
 - :mod:`raycoll.transport.lane`: ranks on one node, through Ray shared-memory channels;
-- :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes), and the
-  point-to-point mailbox.
+- :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes): collective rounds,
+  built on :mod:`~raycoll.transport.frames` (the wire format), :mod:`~raycoll.transport.links`
+  (the listener and a group's connections) and :mod:`~raycoll.transport.mailbox` (point to
+  point).
 
 A group picks its transport once, at its first collective, the same on every rank (group
 option ``transport``: ``"auto"``, ``"lane"``, ``"tcp"``, ``"store"``); what has none goes

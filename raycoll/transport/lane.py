@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import ray
 
 from raycoll.transport.base import RoundTransport, report_period_s
-from raycoll.transport.tcp import decode_frame, encode_round
+from raycoll.transport.frames import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import GroupContext
@@ -98,7 +98,7 @@ POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
 _TIMEOUT = ray.exceptions.RayChannelTimeoutError
 #: A message of at most this many bytes is written as one frame of bytes (the direct
-#: transport's framing, raycoll.transport.tcp): Ray's serializer costs several times as much
+#: transport's framing, raycoll.transport.frames): Ray's serializer costs several times as much
 #: per small message. Larger ones go through Ray's serializer, whose arrays peers read in
 #: place in the writer's channel.
 FRAME_MAX_BYTES = 64 << 10

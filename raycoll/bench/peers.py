@@ -8,9 +8,6 @@ benchmark can print raycoll's time over the peer's time:
 - :class:`RayCollectivePeer`: ``ray.util.collective`` with its ``"gloo"`` backend. In Ray 2.60
   that backend is ``TorchGLOOGroup``, a thin wrapper around ``torch.distributed`` gloo (pygloo is
   gone); it offers fewer operations, and its ``reducescatter`` is ``world_size`` all_reduces.
-- :func:`actor_round_trip_seconds` and :func:`plain_get_seconds`: the Ray floors a raycoll
-  collective is measured against (one actor-to-actor call; one ``ray.get`` of an array another
-  actor put, on another node where one exists).
 
 Sizes follow nccl-tests: for ``all_reduce``, ``broadcast``, ``reduce`` and ``send_recv`` (a round trip
 between rank 0 and the last rank), ``nbytes`` is each rank's buffer; for the gathering, scattering and all-to-all operations it is
@@ -46,8 +43,8 @@ __all__ = [
     "RayCollectivePeer",
     "canonical_op",
     "effective_nbytes",
-    "actor_round_trip_seconds",
-    "plain_get_seconds",
+    "CHUNKED_OPS",
+    "DEFAULT_TIMEOUT",
 ]
 
 OPS: Tuple[str, ...] = (
@@ -59,11 +56,11 @@ _ALIASES: Dict[str, str] = {
     "allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
     "alltoall": "all_to_all", "sendrecv": "send_recv", "send/recv": "send_recv",
 }  # fmt: skip
-# Operations whose ``nbytes`` is the large buffer, cut in ``world_size`` equal chunks.
-_CHUNKED: FrozenSet[str] = frozenset(OPS) - {
+#: Operations whose ``nbytes`` is the large buffer, cut in ``world_size`` equal chunks.
+CHUNKED_OPS: FrozenSet[str] = frozenset(OPS) - {
     "all_reduce", "broadcast", "reduce", "barrier", "send_recv",
 }  # fmt: skip
-_DEFAULT_TIMEOUT = timedelta(seconds=300)
+DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
 class NotSupportedByPeer(Exception):
@@ -105,7 +102,7 @@ def _count(op: str, nbytes: int, dtype: str, world_size: int) -> int:
     if nbytes < 0:
         raise ValueError(f"nbytes: expected a size >= 0; got {nbytes}")
     elements = nbytes // _itemsize(dtype)
-    if op in _CHUNKED:
+    if op in CHUNKED_OPS:
         elements //= world_size
     return max(1, elements)
 
@@ -115,7 +112,7 @@ def effective_nbytes(op: str, nbytes: int, dtype: str, world_size: int) -> int:
     op = canonical_op(op)
     if op == "barrier":
         return 0
-    chunks = world_size if op in _CHUNKED else 1
+    chunks = world_size if op in CHUNKED_OPS else 1
     return _count(op, nbytes, dtype, world_size) * chunks * _itemsize(dtype)
 
 
@@ -332,7 +329,7 @@ class Peer(abc.ABC):
 class _ActorPeer(Peer):
     """Shared driver side of the peers: one ``_RankActor`` per rank, timed by ``bench``."""
 
-    def __init__(self, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
         self.world_size = 0
         self._actors: List[Any] = []
@@ -435,98 +432,3 @@ class RayCollectivePeer(_ActorPeer):
     def _rendezvous(self, host: str) -> Dict[str, Any]:
         # A fresh name: the group's internal_kv rendezvous key is not namespaced per job.
         return {"group": f"raycoll-peer-{uuid.uuid4().hex[:12]}"}
-
-
-class _ProbeActor:
-    """Measures the Ray floors: actor call round trips, and plain puts and gets."""
-
-    def __init__(self) -> None:
-        self.array = np.zeros(0, dtype=np.uint8)
-
-    def ping(self) -> None:
-        return None
-
-    def call_ping(self, other: Any, iters: int, warmup: int, timeout_s: float) -> List[float]:
-        times = []
-        for i in range(warmup + iters):
-            start = time.perf_counter()
-            ray.get(other.ping.remote(), timeout=timeout_s)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        return times
-
-    def put(self, nbytes: int) -> List[Any]:
-        if self.array.nbytes != nbytes:
-            self.array = np.ones(nbytes, dtype=np.uint8)
-        return [ray.put(self.array)]  # in a list, so that the caller gets the reference
-
-    def timed_get(self, refs: List[Any], timeout_s: float) -> float:
-        start = time.perf_counter()
-        value = ray.get(refs[0], timeout=timeout_s)
-        elapsed = time.perf_counter() - start
-        del value
-        return elapsed
-
-
-_ProbeRemote: Any = ray.remote(num_cpus=0)(_ProbeActor)
-
-
-def _here() -> Dict[str, Any]:
-    """Actor options that pin an actor to the driver's node."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node = ray.get_runtime_context().get_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-
-
-def actor_round_trip_seconds(
-    iters: int, warmup: int = 10, timeout: timedelta = _DEFAULT_TIMEOUT
-) -> List[float]:
-    """Seconds per ``ray.get(b.ping.remote())`` made by actor ``a``, both on the driver's node."""
-    timeout_s = timeout.total_seconds()
-    caller, callee = (_ProbeRemote.options(**_here()).remote() for _ in range(2))
-    try:
-        ref = caller.call_ping.remote(callee, iters, warmup, timeout_s)
-        return list(ray.get(ref, timeout=timeout_s))
-    finally:
-        ray.kill(caller, no_restart=True)
-        ray.kill(callee, no_restart=True)
-
-
-def plain_get_seconds(
-    nbytes: int,
-    iters: int,
-    node_resource: Optional[str] = None,
-    warmup: int = 2,
-    timeout: timedelta = _DEFAULT_TIMEOUT,
-) -> List[float]:
-    """Seconds per ``ray.get`` of a fresh ``nbytes`` uint8 array, in an actor on the driver's node.
-
-    The array is put by a second actor: on the node holding the custom resource
-    ``node_resource`` when given (with ``ray.cluster_utils.Cluster``:
-    ``cluster.add_node(resources={"peer_node": 1})``, then ``node_resource="peer_node"``),
-    else on the driver's node, where the get is a zero-copy map of shared memory.
-    """
-    timeout_s = timeout.total_seconds()
-    resources: Dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    if node_resource is None:
-        putter_options = _here()
-    elif resources.get(node_resource, 0) <= 0:
-        known = sorted(resources)
-        raise ValueError(f"node_resource: expected one of {known}; got {node_resource!r}")
-    else:
-        putter_options = {"resources": {node_resource: 0.001}}
-    putter = _ProbeRemote.options(**putter_options).remote()
-    getter = _ProbeRemote.options(**_here()).remote()
-    try:
-        times = []
-        for i in range(warmup + iters):
-            refs = ray.get(putter.put.remote(nbytes), timeout=timeout_s)
-            elapsed = ray.get(getter.timed_get.remote(refs, timeout_s), timeout=timeout_s)
-            del refs  # frees the object before the next put
-            if i >= warmup:
-                times.append(float(elapsed))
-        return times
-    finally:
-        ray.kill(putter, no_restart=True)
-        ray.kill(getter, no_restart=True)

@@ -1,0 +1,273 @@
+"""The wire format of direct connections: frames, and reading and writing them on
+non-blocking sockets (see :mod:`raycoll.transport.tcp` for the whole design).
+
+A frame is ``header (magic, meta length, buffer count) | meta | buffer lengths | buffers``.
+The meta is a small pickle whose arrays travel as raw buffers: a sender hands the kernel its
+arrays' memory (``sendmsg``, no copy), a receiver reads them straight into their destination
+(``recv_into``). A garbled frame (bad magic, absurd sizes) raises :class:`FrameError`.
+The shared-memory lane writes its small messages as whole frames too (``decode_frame``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["FrameError", "PeerClosed", "PeerLeft", "BYE", "ABORT", "GOODBYES", "encode_round",
+           "decode_round", "decode_frame", "encode_raw", "Writer", "Reader", "Placer", "Scratch",
+           "fresh_buffers"]
+
+_FRAME_MAGIC = 0x5243
+#: magic, meta length, buffer count
+_HDR = struct.Struct("!HII")
+_MAX_META = 64 << 20
+_MAX_BUFS = 1 << 16
+_LEN = struct.Struct("!Q")
+_ALIGN = 64
+#: At most this many pieces go to the kernel in one ``sendmsg`` (IOV_MAX is 1024).
+_IOV = 512
+
+
+class FrameError(ConnectionError):
+    """A frame that does not parse: the stream is garbled."""
+
+
+class PeerClosed(ConnectionError):
+    """The peer's end of a connection closed without a goodbye: its process is gone."""
+
+
+class PeerLeft(ConnectionError):
+    """The peer closed the connection saying why: it destroyed its group (``"bye"``) or
+    found it broken (``"abort"``)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+#: The frames a rank sends on each of its connections when it closes them: in good order,
+#: or because it found the group broken. A connection closed with neither: its process died.
+BYE = "bye"
+ABORT = "abort"
+GOODBYES = (BYE, ABORT)
+
+
+#: Marks an array taken out of a round's payload: ``(_ARR, buffer index, dtype, shape)``.
+#: Pickling a numpy array costs far more than pickling a small tuple; rounds carry arrays
+#: at this level only.
+_ARR = "\0raycoll-array"
+
+
+def _pull_arrays(obj: Any, raws: List[memoryview], depth: int = 0) -> Any:
+    """``obj`` with its arrays (up to three levels of tuples and lists) replaced by markers,
+    their memory appended to ``raws``."""
+    if isinstance(obj, np.ndarray) and obj.dtype.hasobject is False:
+        arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+        raws.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""))
+        return (_ARR, len(raws) - 1, arr.dtype.str, arr.shape)
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        items = [_pull_arrays(v, raws, depth + 1) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else type(obj)(items)
+    return obj
+
+
+def _put_arrays(obj: Any, bufs: Sequence[Any], depth: int = 0) -> Any:
+    """The inverse of :func:`_pull_arrays`: arrays viewing ``bufs`` (no copy)."""
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == _ARR:
+        _, i, dtype, shape = obj
+        return np.frombuffer(bufs[i], dtype=np.dtype(dtype)).reshape(shape)
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        items = [_put_arrays(v, bufs, depth + 1) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else type(obj)(items)
+    return obj
+
+
+def encode_round(obj: Any) -> List[memoryview]:
+    """A round's message as frame pieces: its arrays travel as raw buffers (not copied)."""
+    raws: List[memoryview] = []
+    meta = pickle.dumps(_pull_arrays(obj, raws), protocol=5)
+    head = _HDR.pack(_FRAME_MAGIC, len(meta), len(raws))
+    lens = b"".join(_LEN.pack(r.nbytes) for r in raws)
+    return [memoryview(head), memoryview(meta), memoryview(lens)] + raws
+
+
+def decode_round(meta: bytes, bufs: Sequence[Any]) -> Any:
+    return _put_arrays(pickle.loads(meta), bufs)
+
+
+def decode_frame(frame: Any) -> Any:
+    """The message of one whole frame held in memory (``b"".join(encode_round(obj))``); its
+    arrays view ``frame``."""
+    view = memoryview(frame)
+    magic, meta_len, nbufs = _HDR.unpack_from(view)
+    if magic != _FRAME_MAGIC:
+        raise FrameError("not a raycoll frame")
+    at = _HDR.size + meta_len
+    meta = view[_HDR.size:at]
+    lens = [_LEN.unpack_from(view, at + i * _LEN.size)[0] for i in range(nbufs)]
+    at += nbufs * _LEN.size
+    bufs = []
+    for n in lens:
+        bufs.append(view[at:at + n])
+        at += n
+    return decode_round(meta, bufs)
+
+
+def encode_raw(meta: Any, data: memoryview) -> List[memoryview]:
+    """A frame of a pickled ``meta`` and one raw buffer."""
+    m = pickle.dumps(meta, protocol=5)
+    return [memoryview(_HDR.pack(_FRAME_MAGIC, len(m), 1)), memoryview(m),
+            memoryview(_LEN.pack(data.nbytes)), data]
+
+
+class Writer:
+    """A frame being handed to a non-blocking socket."""
+
+    def __init__(self, parts: List[memoryview]) -> None:
+        self.parts = [p.cast("B") if p.format != "B" or p.ndim != 1 else p
+                      for p in parts if p.nbytes]
+
+    def push(self, sock: socket.socket) -> bool:
+        """Send what the socket takes now; ``True`` once all went."""
+        while self.parts:
+            try:
+                sent = sock.sendmsg(self.parts[:_IOV])
+            except (BlockingIOError, InterruptedError):
+                return False
+            while sent:
+                head = self.parts[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    self.parts.pop(0)
+                else:
+                    self.parts[0] = head[sent:]
+                    sent = 0
+        return True
+
+
+#: ``place(meta, lengths) -> destination buffers`` for a frame's raw buffers.
+Placer = Callable[[bytes, List[int]], List[memoryview]]
+
+
+class Reader:
+    """Frames read from a non-blocking socket: headers through a staging buffer (one
+    ``recv`` takes a small frame whole, and the start of the next), large buffers straight
+    into their destination."""
+
+    STAGE = 256 * 1024
+
+    def __init__(self) -> None:
+        self._stage = bytearray(self.STAGE)
+        self._view = memoryview(self._stage)
+        self._lo = self._hi = 0  # staged bytes not yet consumed
+        self._reset()
+
+    def _reset(self) -> None:
+        self._step = 0
+        self._meta = b""
+        self._lens: List[int] = []
+        self._bufs: List[memoryview] = []
+        self._i = 0
+        self._got = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a frame is partly read."""
+        return self._step > 0 or self._hi > self._lo
+
+    def _recv(self, sock: socket.socket, into: memoryview) -> int:
+        try:
+            k = sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return -1
+        if k == 0:
+            raise PeerClosed("the peer closed the connection"
+                             + (" in the middle of a message" if self.busy else ""))
+        return k
+
+    def _staged(self, sock: socket.socket, n: int) -> Optional[memoryview]:
+        """``n`` staged bytes (consumed), reading more if needed; ``None`` if not there yet."""
+        while self._hi - self._lo < n:
+            if len(self._stage) - self._lo < n:  # compact, or grow for a large header
+                rest = bytes(self._view[self._lo:self._hi])
+                if len(self._stage) < n:
+                    self._stage = bytearray(max(n, 2 * len(self._stage)))
+                    self._view = memoryview(self._stage)
+                self._view[:len(rest)] = rest
+                self._lo, self._hi = 0, len(rest)
+            k = self._recv(sock, self._view[self._hi:])
+            if k < 0:
+                return None
+            self._hi += k
+        out = self._view[self._lo:self._lo + n]
+        self._lo += n
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        return out
+
+    def pull(self, sock: socket.socket, place: Placer) -> Optional[Tuple[bytes, List[Any]]]:
+        """Read what has come; ``(meta, buffers)`` once a frame is complete."""
+        if self._step == 0:
+            head = self._staged(sock, _HDR.size)
+            if head is None:
+                return None
+            magic, meta_len, nbufs = _HDR.unpack(head)
+            if magic != _FRAME_MAGIC or meta_len > _MAX_META or nbufs > _MAX_BUFS:
+                raise FrameError(f"garbled frame (magic {magic:#x}, meta {meta_len} B, "
+                                 f"{nbufs} buffers)")
+            self._step, self._need = 1, (meta_len, nbufs)
+        if self._step == 1:
+            meta_len, nbufs = self._need
+            raw = self._staged(sock, meta_len + _LEN.size * nbufs)
+            if raw is None:
+                return None
+            self._meta = bytes(raw[:meta_len])
+            self._lens = [_LEN.unpack_from(raw, meta_len + _LEN.size * i)[0]
+                          for i in range(nbufs)]
+            self._bufs = place(self._meta, self._lens)
+            if [b.nbytes for b in self._bufs] != self._lens:
+                raise FrameError("a frame's buffers do not match their lengths")
+            self._step, self._i, self._got = 2, 0, 0
+        while self._i < len(self._bufs):
+            buf = self._bufs[self._i]
+            if self._got == 0 and self._hi > self._lo:  # staged bytes first
+                k = min(buf.nbytes, self._hi - self._lo)
+                buf[:k] = self._view[self._lo:self._lo + k]
+                self._lo += k
+                if self._lo == self._hi:
+                    self._lo = self._hi = 0
+                self._got = k
+            while self._got < buf.nbytes:
+                k = self._recv(sock, buf[self._got:])
+                if k < 0:
+                    return None
+                self._got += k
+            self._i, self._got = self._i + 1, 0
+        out = (self._meta, self._bufs)
+        self._reset()
+        return out
+
+
+class Scratch:
+    """A reusable receive buffer (arrays read from it are views, valid until its next use)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def place(self, _meta: bytes, lens: List[int]) -> List[memoryview]:
+        offsets, total = [], 0
+        for n in lens:
+            offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        if self._buf.nbytes < total:  # a new one: views of the old may still be alive
+            self._buf = np.empty(max(total, 2 * self._buf.nbytes), dtype=np.uint8)
+        view = memoryview(self._buf)
+        return [view[o:o + n] for o, n in zip(offsets, lens)]
+
+
+def fresh_buffers(_meta: bytes, lens: List[int]) -> List[memoryview]:
+    return [memoryview(np.empty(n, dtype=np.uint8)) for n in lens]

@@ -1,0 +1,413 @@
+"""Direct connections of a group on this rank: where this process listens, the hello that
+admits a connection to its group, and :class:`Links`, one group's connections by peer and
+purpose (see :mod:`raycoll.transport.tcp` for the whole design).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from raycoll import errors
+from raycoll.transport.frames import (
+    BYE,
+    FrameError,
+    PeerClosed,
+    PeerLeft,
+    Writer,
+    encode_round,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.backends.base import GroupContext
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["listen_address", "listener", "tcp_possible", "Links", "Out", "peer_failure",
+           "send_all", "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S", "CLOSED_GRACE_S"]
+
+IFNAME_ENV = "RAYCOLL_SOCKET_IFNAME"
+#: ``RAYCOLL_UNIX_SOCKETS=0``: peers on one node connect over TCP too.
+UNIX_ENV = "RAYCOLL_UNIX_SOCKETS"
+_HELLO_MAGIC = b"RCL1"
+_SECRET_BYTES = 16
+#: magic, secret, sender rank, purpose, group-name length
+_HELLO = struct.Struct(f"!4s{_SECRET_BYTES}sIBH")
+_PURPOSES = ("coll", "p2p")
+#: A hello must arrive this fast, and its group be known here within this long.
+HELLO_TIMEOUT_S = 10.0
+#: A closed connection waits this long for the coordinator to explain it before its peer
+#: is declared dead (a process's death reaches the coordinator within milliseconds; a
+#: whole node's only when Ray's health check declares it dead).
+CLOSED_GRACE_S = 1.0
+#: poll() events that say a connection's other end is closed.
+_CLOSED_EVENTS = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+
+# ---------------------------------------------------------------------------- addresses
+def _iface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name``."""
+    if name == "lo":
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                             struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def listen_address() -> str:
+    """Where this process listens (see :mod:`raycoll.transport.tcp`, "Addresses")."""
+    name = os.environ.get(IFNAME_ENV)
+    if name:
+        return _iface_address(name)
+    try:
+        import ray
+
+        if len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not connected: a single process, loopback serves
+        pass
+    return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------- the listener
+class _Listener:
+    """This process's listening socket, and the groups it accepts connections for."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.sock.listen(128)
+        socks = [self.sock]
+        # Peers on this node connect through a Unix socket in the abstract namespace (no
+        # file; gone with the process): cheaper per message than TCP over loopback.
+        unix: Optional[str] = None
+        if os.environ.get(UNIX_ENV, "1") != "0" and hasattr(socket, "AF_UNIX"):
+            try:
+                local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                name = f"\0raycoll-{os.getpid()}-{os.urandom(6).hex()}"
+                local.bind(name)
+                local.listen(128)
+                socks.append(local)
+                unix = name
+            except OSError:
+                unix = None
+        #: ``(host, port, unix name or None)``, as reported at rendezvous.
+        self.address = (host, self.sock.getsockname()[1], unix)
+        self._lock = threading.Condition()
+        self._groups: Dict[str, "Links"] = {}
+        for sock in socks:
+            threading.Thread(target=self._accept_loop, args=(sock,), name="raycoll-listener",
+                             daemon=True).start()
+
+    def register(self, links: "Links") -> None:
+        with self._lock:
+            self._groups[links.key] = links
+            self._lock.notify_all()
+
+    def unregister(self, links: "Links") -> None:
+        with self._lock:
+            if self._groups.get(links.key) is links:
+                del self._groups[links.key]
+
+    def _accept_loop(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hello, args=(conn,), name="raycoll-hello",
+                             daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> None:
+        """Read a connection's hello; hand it to its group, or close it."""
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            raw = _recv_exact(conn, _HELLO.size)
+            magic, secret, src, purpose, name_len = _HELLO.unpack(raw)
+            if magic != _HELLO_MAGIC or purpose >= len(_PURPOSES) or name_len > 4096:
+                raise FrameError("not a raycoll hello")
+            key = _recv_exact(conn, name_len).decode()
+            deadline = time.monotonic() + HELLO_TIMEOUT_S
+            with self._lock:
+                while key not in self._groups and time.monotonic() < deadline:
+                    self._lock.wait(0.1)
+                links = self._groups.get(key)
+            if links is None or not hmac.compare_digest(secret, links.secret) \
+                    or not 0 <= src < links.size or src == links.rank:
+                raise FrameError("wrong group, secret or rank")
+            conn.settimeout(None)
+            conn.setblocking(False)
+            _tune(conn)
+            links.accepted(src, _PURPOSES[purpose], conn)
+        except Exception as exc:  # noqa: BLE001 - a stranger or a stale peer: drop it
+            logger.debug("raycoll: refused a connection (%s: %s)", type(exc).__name__, exc)
+            conn.close()
+
+
+_LISTENER: Optional[_Listener] = None
+_LISTENER_LOCK = threading.Lock()
+
+
+def listener() -> Optional[_Listener]:
+    """This process's listener (started on first use), or ``None`` if it cannot listen."""
+    global _LISTENER
+    with _LISTENER_LOCK:
+        if _LISTENER is None:
+            try:
+                _LISTENER = _Listener(listen_address())
+            except Exception as exc:  # noqa: BLE001 - then its groups use the object store
+                logger.warning("raycoll: cannot listen for direct connections (%s: %s); "
+                               "groups of this process use the coordinator for their data",
+                               type(exc).__name__, exc)
+                return None
+        return _LISTENER
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family != getattr(socket, "AF_UNIX", None):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking socket."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise PeerClosed("closed during the hello")
+        got += k
+    return bytes(buf)
+
+
+def tcp_possible(ctx: "GroupContext") -> bool:
+    """Whether every rank of ``ctx`` can be reached directly (each reported an address)."""
+    return ctx.size > 1 and ctx.secret is not None and all(a for a in ctx.addresses)
+
+# ---------------------------------------------------------------------------- connections
+class Out:
+    """An outgoing connection, written in the order its messages were posted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.turn = threading.Condition()
+        self.next_ticket = 0
+        self.serving = 0
+        self.broken: Optional[BaseException] = None
+
+
+class Links:
+    """One group's direct connections on this rank (by group rank and purpose)."""
+
+    def __init__(self, *, key: str, rank: int, size: int, secret: bytes,
+                 addresses: Sequence[Any], nodes: Sequence[str]) -> None:
+        self.key = key
+        self.nodes = list(nodes)
+        self.rank = rank
+        self.size = size
+        self.secret = secret
+        self.addresses = list(addresses)
+        self._lock = threading.Condition()
+        self._out: Dict[Tuple[int, str], Out] = {}
+        self._in: Dict[Tuple[int, str], socket.socket] = {}
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._listener = listener()
+        if self._listener is not None:
+            self._listener.register(self)
+
+    # -- incoming
+    def accepted(self, src: int, purpose: str, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            old = self._in.pop((src, purpose), None)
+            self._in[(src, purpose)] = sock
+            self._lock.notify_all()
+        if old is not None:
+            old.close()
+        self.wake()
+
+    def incoming(self, src: int, purpose: str) -> Optional[socket.socket]:
+        return self._in.get((src, purpose))
+
+    def wake(self) -> None:
+        """End a ``select`` waiting here (a new connection came)."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def wait(self, read: Sequence[socket.socket], write: Sequence[socket.socket],
+             seconds: float) -> None:
+        """Until one of ``read`` is readable, one of ``write`` writable, a new connection
+        comes, or ``seconds`` pass."""
+        if self._closed:
+            time.sleep(seconds)
+            return
+        try:
+            r, _, _ = select.select([self._wake_r, *read], list(write), [], max(0.0, seconds))
+        except (OSError, ValueError):  # a socket closed under us: the next read says why
+            return
+        if self._wake_r in r:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+
+    # -- outgoing
+    def outgoing(self, dst: int, purpose: str, timeout_s: float) -> Out:
+        """The connection to group rank ``dst`` for ``purpose`` (connecting if needed)."""
+        with self._lock:
+            out = self._out.get((dst, purpose))
+            if out is not None and out.broken is None:
+                return out
+            if self._closed:
+                raise PeerClosed(f"group {self.key!r} is closed on this rank")
+        host, port, unix = (tuple(self.addresses[dst]) + (None,))[:3]
+        if unix and self.nodes[dst] == self.nodes[self.rank]:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(min(timeout_s, 30.0))
+            try:
+                sock.connect(unix)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((host, port), timeout=min(timeout_s, 30.0))
+        try:
+            _tune(sock)
+            name = self.key.encode()
+            sock.sendall(_HELLO.pack(_HELLO_MAGIC, self.secret, self.rank,
+                                     _PURPOSES.index(purpose), len(name)) + name)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise PeerClosed(f"group {self.key!r} is closed on this rank")
+            out = Out(sock)
+            self._out[(dst, purpose)] = out
+            return out
+
+    def drop(self, dst: int, purpose: str, out: Out) -> None:
+        """Close an outgoing connection whose stream is no longer whole."""
+        with self._lock:
+            if self._out.get((dst, purpose)) is out:
+                del self._out[(dst, purpose)]
+        out.sock.close()
+
+    def sockets(self) -> int:
+        return len(self._out) + len(self._in)
+
+    def closed_peers(self) -> List[int]:
+        """Group ranks whose incoming connections are closed (their processes are gone),
+        also where data they sent before closing is still unread (``POLLRDHUP``, where the
+        platform has it: a peek sees that data, not the end)."""
+        gone = set()
+        poller, owners = select.poll(), {}
+        for (src, _purpose), sock in list(self._in.items()):
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    gone.add(src)
+                    continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                gone.add(src)
+                continue
+            owners[sock.fileno()] = src
+            poller.register(sock, _CLOSED_EVENTS)
+        gone |= {owners[fd] for fd, events in poller.poll(0) if events & _CLOSED_EVENTS}
+        return sorted(gone)
+
+    def suspects(self, src: Optional[int], exc: BaseException) -> List[int]:
+        """Group ranks that connection failure ``exc`` (reading from ``src``) suggests are
+        dead: those whose connections closed without a goodbye."""
+        if not isinstance(exc, (PeerClosed, ConnectionResetError, BrokenPipeError)):
+            return []
+        return sorted(set(self.closed_peers()) | ({src} if src is not None else set()))
+
+    def close(self, goodbye: str = BYE) -> None:
+        """Close every connection, first telling the peers why (``"bye"``: the group was
+        destroyed here; ``"abort"``: it is broken)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outs = list(self._out.values())
+            socks = [o.sock for o in outs] + list(self._in.values())
+            self._out.clear()
+            self._in.clear()
+            self._lock.notify_all()
+        if self._listener is not None:
+            self._listener.unregister(self)
+        for out in outs:
+            try:  # best effort: a peer still reading learns we left, not died
+                Writer(encode_round(goodbye)).push(out.sock)
+            except OSError:
+                pass
+        for sock in socks:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Optional[int],
+                 exc: BaseException, **ctx: Any) -> errors.RaycollError:
+    """The error for connection failure ``exc`` (reading from group rank ``src``) that the
+    coordinator could not explain: peers whose connections closed without a goodbye are
+    dead (``RankFailedError`` naming them); anything else breaks the group."""
+    me = global_ranks[links.rank]
+    gone = links.suspects(src, exc)
+    if gone:
+        who = [global_ranks[g] for g in gone]
+        names = " and ".join(f"rank {g}" for g in who)
+        return errors.RankFailedError(
+            f"{where}: {names} closed {'its' if len(who) == 1 else 'their'} connections to "
+            f"rank {me} without a goodbye: {'its process' if len(who) == 1 else 'their processes'}"
+            " died; the group is broken", failed_ranks=who, **ctx)
+    if isinstance(exc, PeerLeft) and src is not None:
+        did = ("left the group (destroyed it)" if exc.why == BYE
+               else "found the group broken and closed its connections")
+        return errors.GroupBrokenError(
+            f"{where}: rank {global_ranks[src]} {did} while rank {me} still needed it; the "
+            "group is broken", **ctx)
+    return errors.GroupBrokenError(
+        f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
+        "the group is broken", **ctx)
+
+
+def send_all(links: Links, out: Out, writer: Writer, deadline: float,
+             check: Callable[[], None]) -> None:
+    """Push ``writer`` to ``out`` until done; ``check()`` every so often; ``TimeoutError``
+    at ``deadline``."""
+    next_check = time.monotonic() + 0.5
+    while not writer.push(out.sock):
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError
+        if now > next_check:
+            check()
+            next_check = now + 0.5
+        links.wait([], [out.sock], min(0.1, deadline - now))
