@@ -46,9 +46,9 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 
 from raycoll import errors
 from raycoll.backends import _cuda
-from raycoll.backends._cuda import GpuArray
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
 from raycoll.reduce_op import ReduceOp
+from raycoll.tensors import TensorInfo, describe_gpu
 from raycoll.work import DevicePending
 
 logger = logging.getLogger("raycoll")
@@ -186,7 +186,7 @@ class _Op:
 class _Handle(DevicePending):
     """What an NCCL operation returns: waits on its :class:`_Op` from the caller's stream."""
 
-    def __init__(self, op: _Op, array: GpuArray, source: Optional[int] = None) -> None:
+    def __init__(self, op: _Op, array: TensorInfo, source: Optional[int] = None) -> None:
         self._op = op
         self._array = array
         self.source = source
@@ -339,7 +339,7 @@ class _DeviceState:
             self.fail(err, what)
 
     # -- waiting and failing
-    def wait(self, op: _Op, array: GpuArray, timeout_s: Optional[float]) -> None:
+    def wait(self, op: _Op, array: TensorInfo, timeout_s: Optional[float]) -> None:
         """``DevicePending.wait``: host-block when asked to; else order the caller's stream."""
         if timeout_s is not None or self.backend.blocking:
             limit = timeout_s if timeout_s is not None else max(op.deadline - time.monotonic(), 0.0)
@@ -421,7 +421,7 @@ class _Deferred:
     """A send or receive posted inside ``batch_p2p``, issued when the batch ends."""
 
     kind: str  # "send" | "recv"
-    array: GpuArray
+    array: TensorInfo
     peer: int
     timeout_s: float
     ready: threading.Event
@@ -577,20 +577,20 @@ class NcclBackend(CollectiveBackend):
             except Exception:  # noqa: BLE001 - unknown: skip the duplicate check
                 return None
 
-    def _launch(self, what: _What, arrays: Sequence[GpuArray],
+    def _launch(self, what: _What, arrays: Sequence[TensorInfo],
                 body: Callable[[Any, Any], List[Any]]) -> _Op:
         """Enqueue ``body(comm, stream)`` on the raycoll stream after the callers' streams."""
         main = arrays[0]
         for a in arrays[1:]:
-            if a.device != main.device:
-                raise ValueError(f"{what}: all tensors must be on one GPU, got cuda:{main.device} "
-                                 f"and cuda:{a.device}")
-        state = self._state(main.device)
+            if a.device_index != main.device_index:
+                raise ValueError(f"{what}: all tensors must be on one GPU, got "
+                                 f"cuda:{main.device_index} and cuda:{a.device_index}")
+        state = self._state(main.device_index)
         cp = self.cp
-        with cp.cuda.Device(main.device), state.lock:
+        with cp.cuda.Device(main.device_index), state.lock:
             state.check()
             comm = self._comm(state, what)
-            for lib_first in {a.lib: a for a in arrays}.values():
+            for lib_first in {a.kind: a for a in arrays}.values():
                 ready = cp.cuda.Event(disable_timing=True)
                 ready.record(lib_first.caller_stream())
                 state.stream.wait_event(ready)
@@ -619,13 +619,13 @@ class NcclBackend(CollectiveBackend):
         return err
 
     # -- buffers
-    def _flat_in(self, a: GpuArray) -> Any:
+    def _flat_in(self, a: TensorInfo) -> Any:
         """A contiguous 1-D cupy array with ``a``'s data (a view when ``a`` is contiguous)."""
         if a.contiguous:
             return a.flat_view()
         return self.cp.ascontiguousarray(a.cupy_view()).reshape(-1)
 
-    def _flat_out(self, a: GpuArray, init: bool = False) -> Tuple[Any, Callable[[], None]]:
+    def _flat_out(self, a: TensorInfo, init: bool = False) -> Tuple[Any, Callable[[], None]]:
         """A contiguous 1-D buffer to write ``a``'s result into, and the write-back step."""
         if a.contiguous:
             return a.flat_view(), lambda: None
@@ -705,15 +705,15 @@ class NcclBackend(CollectiveBackend):
         finally:
             self.nccl.groupEnd()
 
-    def _plan(self, op: ReduceOp, a: GpuArray) -> ReducePlan:
+    def _plan(self, op: ReduceOp, a: TensorInfo) -> ReducePlan:
         return reduce_plan(op, a.dtype, self.version)
 
-    def _handle(self, op: _Op, array: GpuArray, source: Optional[int] = None) -> _Handle:
+    def _handle(self, op: _Op, array: TensorInfo, source: Optional[int] = None) -> _Handle:
         return _Handle(op, array, source)
 
     # -- reductions
     def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> Outcome:
-        a = GpuArray.of(tensor)
+        a = describe_gpu(tensor)
         plan = self._plan(op, a)
 
         def body(comm: Any, stream: Any) -> List[Any]:
@@ -725,7 +725,7 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [a], body), a)
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> Outcome:
-        a = GpuArray.of(tensor)
+        a = describe_gpu(tensor)
         plan = self._plan(op, a)
 
         def body(comm: Any, stream: Any) -> List[Any]:
@@ -738,8 +738,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [a], body), a)
 
     def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> Outcome:
-        out = GpuArray.of(output, "output")
-        ins = [GpuArray.of(t, f"input_list[{j}]") for j, t in enumerate(inputs)]
+        out = describe_gpu(output, "output")
+        ins = [describe_gpu(t, f"input_list[{j}]") for j, t in enumerate(inputs)]
 
         def body(comm: Any, stream: Any) -> List[Any]:
             n = out.numel
@@ -751,8 +751,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [out] + ins, body), out)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> Outcome:
-        out = GpuArray.of(output, "output")
-        src = GpuArray.of(tensor, "input")
+        out = describe_gpu(output, "output")
+        src = describe_gpu(tensor, "input")
 
         def body(comm: Any, stream: Any) -> List[Any]:
             packed = self._flat_in(src)
@@ -760,7 +760,7 @@ class NcclBackend(CollectiveBackend):
 
         return self._handle(self._launch(_What.of(call), [out, src], body), out)
 
-    def _reduce_scatter_flat(self, comm: Any, stream: Any, packed: Any, out: GpuArray,
+    def _reduce_scatter_flat(self, comm: Any, stream: Any, packed: Any, out: TensorInfo,
                              op: ReduceOp) -> List[Any]:
         plan = self._plan(op, out)
         flat, write_back = self._flat_out(out)
@@ -781,7 +781,7 @@ class NcclBackend(CollectiveBackend):
 
     # -- data movement (bytes, so any dtype moves)
     def broadcast(self, tensor: Any, src: int, call: Call) -> Outcome:
-        a = GpuArray.of(tensor)
+        a = describe_gpu(tensor)
 
         def body(comm: Any, stream: Any) -> List[Any]:
             if self.ctx.rank == src:
@@ -797,8 +797,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [a], body), a)
 
     def all_gather(self, outputs: List[Any], tensor: Any, call: Call) -> Outcome:
-        a = GpuArray.of(tensor)
-        outs = [GpuArray.of(t, f"tensor_list[{j}]") for j, t in enumerate(outputs)]
+        a = describe_gpu(tensor)
+        outs = [describe_gpu(t, f"tensor_list[{j}]") for j, t in enumerate(outputs)]
 
         def body(comm: Any, stream: Any) -> List[Any]:
             mine = self._flat_in(a)
@@ -815,8 +815,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [a] + outs, body), a)
 
     def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> Outcome:
-        out = GpuArray.of(output, "output_tensor")
-        a = GpuArray.of(tensor, "input_tensor")
+        out = describe_gpu(output, "output_tensor")
+        a = describe_gpu(tensor, "input_tensor")
 
         def body(comm: Any, stream: Any) -> List[Any]:
             mine = self._flat_in(a)
@@ -848,8 +848,8 @@ class NcclBackend(CollectiveBackend):
                     comm.recv(buf.data.ptr, buf.nbytes, code, peer, stream.ptr)
 
     def gather(self, tensor: Any, outputs: Optional[List[Any]], dst: int, call: Call) -> Outcome:
-        a = GpuArray.of(tensor)
-        outs = [GpuArray.of(t, f"gather_list[{j}]") for j, t in enumerate(outputs or [])]
+        a = describe_gpu(tensor)
+        outs = [describe_gpu(t, f"gather_list[{j}]") for j, t in enumerate(outputs or [])]
 
         def body(comm: Any, stream: Any) -> List[Any]:
             mine = self._flat_in(a)
@@ -863,8 +863,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [a] + outs, body), a)
 
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> Outcome:
-        out = GpuArray.of(output)
-        ins = [GpuArray.of(t, f"scatter_list[{j}]") for j, t in enumerate(inputs or [])]
+        out = describe_gpu(output)
+        ins = [describe_gpu(t, f"scatter_list[{j}]") for j, t in enumerate(inputs or [])]
 
         def body(comm: Any, stream: Any) -> List[Any]:
             sources = [self._flat_in(a) for a in ins] if self.ctx.rank == src else []
@@ -876,8 +876,8 @@ class NcclBackend(CollectiveBackend):
         return self._handle(self._launch(_What.of(call), [out] + ins, body), out)
 
     def all_to_all(self, outputs: List[Any], inputs: List[Any], call: Call) -> Outcome:
-        outs = [GpuArray.of(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)]
-        ins = [GpuArray.of(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
+        outs = [describe_gpu(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)]
+        ins = [describe_gpu(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
 
         def body(comm: Any, stream: Any) -> List[Any]:
             sources = [self._flat_in(a) for a in ins]
@@ -892,10 +892,10 @@ class NcclBackend(CollectiveBackend):
 
     def all_to_all_single(self, output: Any, tensor: Any, output_splits: List[int],
                           input_splits: List[int], call: Call) -> Outcome:
-        out = GpuArray.of(output, "output")
-        src = GpuArray.of(tensor, "input")
+        out = describe_gpu(output, "output")
+        src = describe_gpu(tensor, "input")
 
-        def offsets(a: GpuArray, splits: List[int]) -> List[int]:
+        def offsets(a: TensorInfo, splits: List[int]) -> List[int]:
             rows = a.shape[0] if a.shape else a.numel
             per_row = a.numel // rows if rows else 0
             bounds = [0]
@@ -933,7 +933,7 @@ class NcclBackend(CollectiveBackend):
 
     # -- point to point
     def _p2p(self, kind: str, tensor: Any, peer: int, timeout_s: float) -> Completion:
-        a = GpuArray.of(tensor)
+        a = describe_gpu(tensor)
         pending: Optional[List[_Deferred]] = getattr(self._batch, "ops", None)
         if pending is not None:
             item = _Deferred(kind, a, peer, timeout_s, threading.Event())
@@ -992,7 +992,7 @@ class NcclBackend(CollectiveBackend):
             return
         by_device: Dict[int, List[_Deferred]] = collections.defaultdict(list)
         for item in items:
-            by_device[item.array.device].append(item)
+            by_device[item.array.device_index].append(item)
         for group in by_device.values():
             what = _What("batch_isend_irecv", -1, max(i.timeout_s for i in group))
 
