@@ -17,9 +17,11 @@ a cupy view of it. torch tensors are viewed through ``cupy.cuda.UnownedMemory`` 
 ``data_ptr()`` (not through ``__cuda_array_interface__``, which may synchronize a stream and
 refuses bfloat16); bfloat16 memory is viewed as ``uint16`` (cupy has no bfloat16).
 
-torch and cupy are never imported here: a value is a torch tensor only if torch is already
-imported (``sys.modules``), and cupy is imported only to view GPU memory that is not cupy's
-own, through :func:`cupy_module`. ``import raycoll`` needs neither.
+Recognising a tensor imports neither torch nor cupy: a value is a torch tensor only if torch
+is already imported (``sys.modules``), a cupy array only if cupy is. cupy is imported (through
+:func:`cupy_module`) only for another library's GPU memory: to describe a CUDA ``__dlpack__``
+object, or when a GPU backend asks where a ``__cuda_array_interface__`` object's memory is.
+``import raycoll`` needs neither.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ whatever a numpy array can do, they can, in place and without copies.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,22 @@ def test_gpu_protocol_objects_are_gpu_tensors_without_cupy() -> None:
     info = describe_gpu(FakeCudaArray((2, 3)), "out")
     assert (info.kind, info.device, info.shape, info.dtype, info.numel, info.itemsize) == \
         ("cuda-array", "cuda", (2, 3), "float32", 6, 4)
+
+
+_NO_CUPY = importlib.util.find_spec("cupy") is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not _NO_CUPY, reason="checks the error raised where cupy is missing")
+def test_gpu_memory_of_a_protocol_object_needs_cupy_only_when_asked() -> None:
+    info = describe_gpu(FakeCudaArray((2, 3)))  # described from the protocol, no cupy
+    for attribute in ("ptr", "strides", "device_index"):
+        with pytest.raises(raycoll.BackendUnavailableError,
+                           match=r"__cuda_array_interface__ object\) need cupy"):
+            getattr(info, attribute)
+    with pytest.raises(raycoll.BackendUnavailableError,
+                       match=r"x \(a __dlpack__ object on a CUDA device\) need cupy"):
+        describe(CudaDlpack(), "x")
 
 
 @pytest.mark.timeout(30)
