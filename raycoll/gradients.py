@@ -32,7 +32,7 @@ from raycoll.collectives import all_reduce, broadcast
 from raycoll.group import GroupLike, ProcessGroup, world
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.reduce_op import ReduceOp
-from raycoll.tensors import host_view
+from raycoll.tensors import host_view, is_torch
 
 __all__ = ["GradientAverager"]
 
@@ -52,9 +52,9 @@ def _views(values: Sequence[Any], name: str) -> List[np.ndarray]:
 
 
 def _zeros_like(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return np.zeros_like(value)
-    return value.detach().new_zeros(value.shape)  # a torch CPU tensor (host_view checked it)
+    if is_torch(value):  # a torch CPU tensor (host_view checked it)
+        return value.detach().new_zeros(value.shape)
+    return np.zeros_like(host_view(value))  # numpy, or a numpy array for a protocol object
 
 
 class GradientAverager(Joinable):

@@ -23,7 +23,8 @@ import raycoll
 from raycoll import Backend, BackendConfig, ReduceOp
 from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
-from raycoll.backends.nccl import AVG_MIN_VERSION, NcclBackend, reduce_plan
+from raycoll.backends.nccl import NcclBackend
+from raycoll.backends.nccl.plan import AVG_MIN_VERSION, reduce_plan
 from raycoll.backends.objstore import ObjstoreBackend
 from raycoll.backends.staged import StagedBackend
 from raycoll.work import DevicePending, Work

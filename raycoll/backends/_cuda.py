@@ -1,15 +1,13 @@
-"""GPU helpers shared by the GPU backends: lazy cupy, device choice, raw views of GPU tensors.
+"""GPU helpers shared by the GPU backends: lazy cupy and NCCL, device choice, bfloat16 math.
 
 Nothing here imports cupy or torch at module import: ``import raycoll`` works without either.
 What a GPU backend needs is reached through functions that import lazily and raise
 :class:`~raycoll.errors.BackendUnavailableError` naming what is missing.
 
-:class:`GpuArray` describes any GPU tensor (cupy array, torch CUDA tensor, or an object with
-``__cuda_array_interface__``) by pointer, shape, strides, dtype and device, and gives a
-zero-copy cupy view of its memory. torch tensors are viewed through ``cupy.cuda.UnownedMemory``
-on ``data_ptr()`` (not through ``__cuda_array_interface__``, which may synchronize a stream and
-refuses bfloat16); bfloat16 memory is viewed as ``uint16`` (cupy has no bfloat16) and
-arithmetic on it goes through float32 (:func:`bf16_to_f32` / :func:`f32_to_bf16_`).
+GPU tensors themselves (pointer, strides, device, cupy views) are described by the one tensor
+adapter, :func:`raycoll.tensors.describe_gpu`; :func:`cupy_module` and :func:`storage_dtype`
+live there and are re-exported here for the backends. cupy has no bfloat16, so arithmetic on
+bfloat16 bits goes through float32 (:func:`bf16_to_f32` / :func:`f32_to_bf16_`).
 """
 
 from __future__ import annotations
@@ -18,15 +16,12 @@ import functools
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Any, Optional, Sequence
 
 from raycoll.errors import BackendUnavailableError
+from raycoll.tensors import _CUPY_HINT, cupy_module, storage_dtype
 
 __all__ = [
-    "GpuArray",
     "cupy_module",
     "nccl_module",
     "nccl_unavailable_reason",
@@ -37,19 +32,6 @@ __all__ = [
     "f32_to_bf16_",
     "storage_dtype",
 ]
-
-_CUPY_HINT = "install cupy for your CUDA version (e.g. pip install cupy-cuda12x)"
-
-
-def cupy_module(purpose: str = "GPU collectives") -> Any:
-    """``import cupy``, or raise ``BackendUnavailableError`` saying what is missing and why."""
-    try:
-        import cupy
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"{purpose} need cupy, which cannot be imported here ({exc}); {_CUPY_HINT}"
-        ) from exc
-    return cupy
 
 
 def nccl_module() -> Any:
@@ -148,113 +130,7 @@ def select_device() -> Optional[int]:
     return device
 
 
-# ---------------------------------------------------------------------- tensors
-def storage_dtype(dtype: str) -> np.dtype:
-    """The numpy/cupy dtype that holds ``dtype``'s bits (bfloat16 -> uint16)."""
-    if dtype == "bfloat16":
-        return np.dtype(np.uint16)
-    try:
-        return np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"GPU tensors of dtype {dtype} are not supported") from exc
-
-
-@dataclass(frozen=True)
-class GpuArray:
-    """A GPU tensor seen as memory: where it is, how it is laid out, what it holds."""
-
-    obj: Any
-    lib: str  # "cupy" | "torch" | "cuda-array"
-    dtype: str  # logical dtype name ("bfloat16", "float32", ...)
-    shape: Tuple[int, ...]
-    strides: Optional[Tuple[int, ...]]  # in bytes; None for C-contiguous
-    ptr: int
-    device: int
-    itemsize: int
-    numel: int
-    contiguous: bool
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-    @classmethod
-    def of(cls, value: Any, name: str = "tensor") -> "GpuArray":
-        """Describe a GPU tensor; ``TypeError`` naming ``name`` when it is not one."""
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(value, torch.Tensor):
-            if value.device.type != "cuda":
-                raise TypeError(f"{name} is on {value.device}, expected a CUDA tensor")
-            size = value.element_size()
-            return cls(value, "torch", str(value.dtype).replace("torch.", ""),
-                       tuple(int(s) for s in value.shape),
-                       tuple(int(s) * size for s in value.stride()), int(value.data_ptr()),
-                       int(value.device.index if value.device.index is not None
-                           else torch.cuda.current_device()),
-                       size, int(value.numel()), bool(value.is_contiguous()))
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and isinstance(value, cupy.ndarray):
-            return cls(value, "cupy", value.dtype.name, tuple(value.shape), tuple(value.strides),
-                       int(value.data.ptr), int(value.device.id), value.dtype.itemsize,
-                       int(value.size), bool(value.flags.c_contiguous))
-        iface = getattr(value, "__cuda_array_interface__", None)
-        if iface is not None:
-            cp = cupy_module(f"{name} (a __cuda_array_interface__ object)")
-            arr = cp.asarray(value)  # zero copy
-            described = cls.of(arr, name)
-            return cls(value, "cuda-array", described.dtype, described.shape, described.strides,
-                       described.ptr, described.device, described.itemsize, described.numel,
-                       described.contiguous)
-        raise TypeError(f"{name} must be a GPU tensor (cupy array or torch CUDA tensor), "
-                        f"got {type(value).__name__}")
-
-    def cupy_view(self) -> Any:
-        """A cupy array sharing this tensor's memory (bfloat16 viewed as uint16)."""
-        cp = cupy_module("GPU tensors")
-        if self.lib == "cupy":
-            return self.obj
-        if self.lib == "cuda-array":
-            return cp.asarray(self.obj)
-        dtype = storage_dtype(self.dtype)
-        if self.numel == 0:
-            with cp.cuda.Device(self.device):
-                return cp.empty(self.shape, dtype=dtype)
-        strides = self.strides or ()
-        span = self.itemsize * (1 + sum((n - 1) * s // self.itemsize
-                                        for n, s in zip(self.shape, strides)))
-        mem = cp.cuda.UnownedMemory(self.ptr, span, self.obj, self.device)
-        return cp.ndarray(self.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0),
-                          strides=strides)
-
-    def flat_view(self) -> Any:
-        """A 1-D cupy view of a C-contiguous tensor's memory (never a copy)."""
-        if not self.contiguous:
-            raise ValueError("flat_view() needs a contiguous tensor")
-        cp = cupy_module("GPU tensors")
-        if self.lib != "torch":
-            arr = self.cupy_view()
-            flat = arr.reshape(-1)
-            if self.numel and flat.data.ptr != arr.data.ptr:  # pragma: no cover - defensive
-                raise RuntimeError("cupy copied a contiguous array on reshape")
-            return flat
-        dtype = storage_dtype(self.dtype)
-        if self.numel == 0:
-            with cp.cuda.Device(self.device):
-                return cp.empty((0,), dtype=dtype)
-        mem = cp.cuda.UnownedMemory(self.ptr, self.nbytes, self.obj, self.device)
-        return cp.ndarray((self.numel,), dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
-
-    def caller_stream(self) -> Any:
-        """The calling thread's current stream for this tensor's library, as a cupy stream."""
-        cp = cupy_module("GPU tensors")
-        if self.lib == "torch":
-            torch = sys.modules["torch"]
-            ptr = int(torch.cuda.current_stream(self.device).cuda_stream)
-            return cp.cuda.Stream.null if ptr == 0 else cp.cuda.ExternalStream(ptr, self.device)
-        with cp.cuda.Device(self.device):
-            return cp.cuda.get_current_stream()
-
-
+# ---------------------------------------------------------------------- bfloat16
 def bf16_to_f32(bits: Any) -> Any:
     """float32 values of bfloat16 bits held in a cupy uint16 array (a new array)."""
     cp = cupy_module("bfloat16 arithmetic")

@@ -8,10 +8,10 @@ the results back to the GPU tensors. Copies run on the caller's current stream a
 complete on return, so the operation is synchronous, as on the CPU path.
 
 torch CUDA tensors are staged with torch (no cupy needed); cupy arrays and other
-``__cuda_array_interface__`` objects with cupy. bfloat16 (torch) is reduced in float32 on the
-host and rounded back; other operations move its bits unchanged. bfloat16 *CPU* tensors go the
-same way (numpy has no bfloat16): a group serves them with one of these backends
-(``ProcessGroup.bfloat16_backend``).
+``__cuda_array_interface__`` / ``__dlpack__`` GPU arrays with cupy. bfloat16 (torch) is
+reduced in float32 on the host and rounded back; other operations move its bits unchanged.
+bfloat16 *CPU* tensors go the same way (numpy has no bfloat16): a group serves them with one
+of these backends (``ProcessGroup.bfloat16_backend``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
 from raycoll.backends.objstore import ObjstoreBackend
 from raycoll.reduce_op import ReduceOp
-from raycoll.tensors import is_torch
+from raycoll.tensors import describe_gpu, is_torch
 from raycoll.work import DevicePending
 
 __all__ = ["StagedBackend"]
@@ -58,10 +58,10 @@ class _Stage:
             self._host_t.copy_(self._device_view)  # synchronous: waits for the current stream
         self.host: np.ndarray = self._host_t.numpy()
 
-    # cupy (and __cuda_array_interface__ objects, viewed through cupy)
+    # cupy (and other libraries' GPU arrays, viewed through cupy by the tensor adapter)
     def _init_cupy(self, load: bool) -> None:
         cp = _cuda.cupy_module("staging GPU arrays through host memory")
-        a = self.value if isinstance(self.value, cp.ndarray) else cp.asarray(self.value)
+        a = describe_gpu(self.value).cupy_view()
         self._array = a
         with cp.cuda.Device(a.device.id):
             self.host = _pinned(cp, a.shape, a.dtype)
