@@ -537,9 +537,9 @@ class NcclBackend(CollectiveBackend):
         mine = {"node": ctx.node_ids[me], "gpu": self._gpu_id(device), "device": device,
                 "uid": self.nccl.get_unique_id() if me == 0 else None}
         where = self.err_ctx(what)
-        ctx.client.call("kv_set", f"{base}/{me}", mine, timeout_s=what.timeout_s, **where)
+        ctx.client.kv_set(f"{base}/{me}", mine, what.timeout_s, where)
         left = max(deadline - time.monotonic(), 0.001)
-        refs = [ctx.client.submit("kv_get", f"{base}/{r}", left) for r in range(ctx.size)]
+        refs = [ctx.client.submit_kv_get(f"{base}/{r}", left) for r in range(ctx.size)]
         infos: List[Dict[str, Any]] = []
         missing: List[int] = []
         for r, ref in enumerate(refs):

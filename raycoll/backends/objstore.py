@@ -89,7 +89,7 @@ import ray
 
 from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
-from raycoll.coordinator import meta_mismatch
+from raycoll.coordinator.logic import meta_mismatch
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import dtype_name, host_view
