@@ -17,6 +17,7 @@ import pytest
 from raycoll import errors
 from raycoll.coordinator import logic
 from raycoll.coordinator.actor import Coordinator
+from raycoll.coordinator.client import CoordinatorClient
 from raycoll.reduce_op import ReduceOp
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,6 +32,17 @@ def test_the_logic_module_imports_neither_ray_nor_asyncio() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"ray", "asyncio", "numpy", "torch", "cupy"}, names
+
+
+def test_the_client_has_a_method_for_every_rpc() -> None:
+    rpcs = {n for n, f in inspect.getmembers(Coordinator, inspect.isfunction)
+            if not n.startswith("_")}
+    covered = {"exchange_packed": "exchange", "join_round_packed": "join_round",
+               "lease": "hold_lease", "watch": "hold_lease"}
+    client = set(dir(CoordinatorClient))
+    lacking = sorted(n for n in rpcs
+                     if not {covered.get(n, n), f"submit_{covered.get(n, n)}"} & client)
+    assert not lacking, f"RPCs without a CoordinatorClient method: {lacking}"
 
 
 # ---------------------------------------------------------------------- results
@@ -49,7 +61,8 @@ def test_err_unwraps_to_the_exception_of_its_kind_with_the_context(kind, cls) ->
     with pytest.raises(cls, match="it broke") as info:
         logic.unwrap(logic.err(kind, "it broke"), ctx)
     assert type(info.value) is cls
-    assert (info.value.op, info.value.seq, info.value.group, info.value.rank) == ("all_reduce", 3, "g", 1)
+    got = info.value
+    assert (got.op, got.seq, got.group, got.rank) == ("all_reduce", 3, "g", 1)
 
 
 def test_value_errors_are_plain_value_errors() -> None:
@@ -242,7 +255,8 @@ def test_a_mismatched_round_fails_on_every_rank_and_then_status_shows_it() -> No
 
     (a, b), status = _run(body)
     assert a == b and a[:2] == ("err", "mismatch")
-    assert a[2] == "all_reduce #1 on group 'g': ranks disagree on n: ranks [0] passed 1, ranks [1] passed 2"
+    assert a[2] == ("all_reduce #1 on group 'g': ranks disagree on n: ranks [0] passed 1, "
+                    "ranks [1] passed 2")
     # a mismatch does not break the group; neither completed the collective
     assert status[1]["groups"]["g"][0]["last_completed"] is None
     assert "broken" not in status[1]["groups"]["g"]
