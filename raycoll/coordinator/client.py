@@ -135,9 +135,11 @@ class CoordinatorClient:
                  recv_meta: Optional[List[Any]], payload: Any, mode: str,
                  root: Optional[int], timeout_s: float, where: Where = None) -> Any:
         """:meth:`submit_exchange`, waiting up to ``timeout_s`` for this rank's share."""
-        ref = self.submit_exchange(key, ranks, seq, step, rank, fp, send_meta, recv_meta,
-                                   payload, mode, root, timeout_s)
-        return self._wait(ref, timeout_s, where)
+        ref: "ray.ObjectRef" = self.handle.exchange_packed.remote((  # as submit_exchange: the hot path
+            key, ranks, seq, step, rank, fp, send_meta, recv_meta, payload, mode, root,
+            timeout_s,
+        ))
+        return self.wait(ref, timeout_s, **(where or {}))
 
     def submit_reject(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
                       message: str) -> "ray.ObjectRef":
