@@ -135,7 +135,8 @@ class CoordinatorClient:
                  recv_meta: Optional[List[Any]], payload: Any, mode: str,
                  root: Optional[int], timeout_s: float, where: Where = None) -> Any:
         """:meth:`submit_exchange`, waiting up to ``timeout_s`` for this rank's share."""
-        ref: "ray.ObjectRef" = self.handle.exchange_packed.remote((  # as submit_exchange: the hot path
+        # sent here rather than through submit_exchange: the collectives' hot path
+        ref: "ray.ObjectRef" = self.handle.exchange_packed.remote((
             key, ranks, seq, step, rank, fp, send_meta, recv_meta, payload, mode, root,
             timeout_s,
         ))
