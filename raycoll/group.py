@@ -315,8 +315,8 @@ class ProcessGroup:
     def reject(self, call: Call, exc: BaseException) -> None:
         """Tell the peers that this rank rejected its arguments for ``call`` (no wait)."""
         if self.size() > 1:
-            self._root.client.submit("reject", self._name, self._global_ranks, call.seq,
-                                     self._rank, call.op, str(exc))
+            self._root.client.submit_reject(self._name, self._global_ranks, call.seq,
+                                            self._rank, call.op, str(exc))
             if not self.outstanding():  # else an earlier call's lane message comes first
                 self.context.lane_reject(call, str(exc))
 
@@ -492,8 +492,8 @@ class ProcessGroup:
                     self._broken = exc
                 if self.size() > 1:
                     me = self.global_ranks[self._rank]
-                    self._root.client.submit(
-                        "abort", self._name, "aborted",
+                    self._root.client.submit_abort(
+                        self._name, "aborted",
                         f"{call.op} #{call.seq} on group {self._name!r}: rank {me} failed inside "
                         f"it ({type(exc).__name__}: {exc}); the group is broken", {})
                 raise
@@ -509,8 +509,8 @@ class ProcessGroup:
         # Recorded before the caller closes this rank's connections: a peer that sees them
         # close then asks the coordinator and learns why, rather than taking this rank for dead.
         try:
-            self._root.client.call("abort", key, kind, str(exc), {"failed_ranks": list(failed)},
-                                   timeout_s=ABORT_RECORD_S)
+            self._root.client.abort(key, kind, str(exc), {"failed_ranks": list(failed)},
+                                    timeout_s=ABORT_RECORD_S)
         except errors.RaycollError:
             pass  # the coordinator is gone or stuck: the peers judge by their connections
 
@@ -524,7 +524,7 @@ class ProcessGroup:
                 missing = [self._global_ranks[r] for r in waiting]
                 lasts = {self._global_ranks[r]: done.get(r) for r in waiting}
             else:
-                info = self._root.client.call("pending", self._name, call.seq, timeout_s=5.0)
+                info = self._root.client.pending(self._name, call.seq)
                 missing = list(info["missing"])
                 lasts = info.get("last", {})
             detail = "; ".join(
@@ -541,7 +541,7 @@ class ProcessGroup:
         )
         if self._broken is None:
             self._broken = exc
-        self._root.client.submit("abort", self._name, "timeout", str(exc), {"missing": missing})
+        self._root.client.submit_abort(self._name, "timeout", str(exc), {"missing": missing})
         return exc
 
     def close(self, reason: str) -> None:
@@ -658,8 +658,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     """Rendezvous with the coordinator as ``rank`` and register the group in this process."""
     config = backend_config(spec.backend)
     client = CoordinatorClient(spec.coordinator, spec.name)
-    info = client.call("rendezvous", rank, spec.world_size, rank_info(), spec.timeout_s,
-                       timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
+    info = client.rendezvous(rank, spec.world_size, rank_info(), spec.timeout_s)
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], dict(spec.options), info.get("secret"))

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, Type, cast
 
 from raycoll import errors
-from raycoll.coordinator import JOIN_OUT_OF_STEP, join_outcome
+from raycoll.coordinator.logic import JOIN_OUT_OF_STEP, join_outcome
 from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
 from raycoll.work import Work
 
@@ -317,8 +317,8 @@ def _local_result(pg: ProcessGroup, join_seq: Optional[int]) -> RoundResult:
 
 
 def _submit(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> "ray.ObjectRef":
-    return pg.context.client.submit("join_round_packed", (
-        pg.name, pg.global_ranks, call.seq, pg.rank(), join_seq, throw, call.timeout_s))
+    return pg.context.client.submit_join_round(pg.name, pg.global_ranks, call.seq, pg.rank(),
+                                               join_seq, throw, call.timeout_s)
 
 
 def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> RoundResult:
@@ -342,17 +342,17 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
         seqs = ctx.gather_round(fp_call, join_seq)
     except errors.CollectiveMismatchError as exc:  # out of step: nothing can go on
         err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}", **ctx.ctx(call))
-        ctx.client.submit("abort", pg.name, "mismatch", str(err), {})
+        ctx.client.submit_abort(pg.name, "mismatch", str(err), {})
         raise err from exc
     if seqs is None:  # cannot happen: the lane was checked active in issue order
         raise errors.CollectiveError(f"join #{call.seq} on group {pg.name!r}: the lane is gone",
                                      **ctx.ctx(call))
     outcome, order, ended = join_outcome(pg.global_ranks, seqs, join_seq, throw)
     if join_seq is not None and join_seq == call.seq:  # this rank joined in this round
-        ctx.client.submit("join_report", pg.name, pg.global_ranks, pg.rank(), join_seq)
+        ctx.client.submit_join_report(pg.name, pg.global_ranks, pg.rank(), join_seq)
     if ended:
-        ctx.client.submit("join_end", pg.name, pg.global_ranks, call.seq, order,
-                          not outcome["all_joined"])
+        ctx.client.submit_join_end(pg.name, pg.global_ranks, call.seq, order,
+                                   not outcome["all_joined"])
     return outcome
 
 

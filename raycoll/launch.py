@@ -192,11 +192,11 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
     for pg in mine:  # this process is a rank: what its lane knows goes first
         pg.context.lane_report()
     client = _status_client(root)
-    raw = client.call("status", timeout_s=_TEARDOWN_S, op="group_status", group=root)
+    raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
     if any(isinstance(g, dict) and g.get("lane") for g in raw.get("groups", {}).values()):
         # ranks report their lane collectives at most REPORT_EVERY_S late: ask again after
         time.sleep(lane_report_s() + 0.05)
-        raw = client.call("status", timeout_s=_TEARDOWN_S, op="group_status", group=root)
+        raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
     groups = raw.get("groups", {})
     view = _group_view(group_name, groups.get(group_name, {}),
                        range(raw["world_size"]) if group_name == root else ())
@@ -440,4 +440,5 @@ def _abort(group_name: str, reason: str) -> None:
     with _lock:
         entry = _groups.get(group_name)
     if entry is not None and entry.spec.coordinator is not None:
-        entry.spec.coordinator.abort.remote(group_name, "aborted", reason, {})
+        CoordinatorClient(entry.spec.coordinator, group_name).submit_abort(
+            group_name, "aborted", reason, {})

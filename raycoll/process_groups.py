@@ -161,14 +161,12 @@ def _leave(pg: ProcessGroup) -> None:
         return
     client = pg.context.client
     try:
-        result = client.call("leave", pg.rank(), timeout_s=_LEAVE_TIMEOUT_S, op="leave")
+        result = client.leave(pg.rank())
     except errors.RaycollError:
         return  # the coordinator is already gone: nothing to leave
     if pg.by_name and result and result.get("all_left"):
         ray.kill(client.handle, no_restart=True)
 
-
-_LEAVE_TIMEOUT_S = 10.0
 
 
 def is_initialized() -> bool:

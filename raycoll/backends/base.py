@@ -163,11 +163,9 @@ class GroupContext:
         if call.seq == self._shifted_seq:
             step += _SETUP_STEPS  # this call's step 0 set up the lane (which stayed off)
         fp = call.fp if step == 0 else {"op": call.op}
-        ref = self.client.submit("exchange_packed", (
-            self.group_name, self.global_ranks, call.seq, step, self.rank, fp,
-            send_meta, recv_meta, payload, mode, root, call.timeout_s,
-        ))
-        return self.client.wait(ref, call.timeout_s, **self.ctx(call))
+        return self.client.exchange(self.group_name, self.global_ranks, call.seq, step,
+                                    self.rank, fp, send_meta, recv_meta, payload, mode, root,
+                                    call.timeout_s, where=self.ctx(call))
 
     # ------------------------------------------------------------------ the lane
     def gather_round(self, call: Call, payload: Any, sub: int = 0,
@@ -257,9 +255,9 @@ class GroupContext:
 
     def _p2p_check(self, peers: Sequence[int], waited_s: float) -> None:
         """Raise the coordinator's error if a point-to-point wait for ``peers`` must end."""
-        self.client.call("p2p_check", self.group_name, [self.global_ranks[p] for p in peers],
-                         waited_s, timeout_s=30.0, op="p2p", group=self.group_name,
-                         rank=self.global_ranks[self.rank])
+        self.client.p2p_check(self.group_name, [self.global_ranks[p] for p in peers], waited_s,
+                              where={"op": "p2p", "group": self.group_name,
+                                     "rank": self.global_ranks[self.rank]})
 
     def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:
         """The coordinator's error once it has one, or ``None`` after a short grace; group
@@ -346,13 +344,12 @@ class GroupContext:
 
     def p2p_send(self, dst: int, tag: int, meta: Any, payload: Any, timeout_s: float) -> Any:
         """Post a message to group rank ``dst``; returns a ref that resolves once it matched."""
-        return self.client.submit("p2p_send", self.group_name, self.rank, dst, tag, meta,
-                                  payload, timeout_s)
+        return self.client.submit_p2p_send(self.group_name, self.rank, dst, tag, meta, payload,
+                                           timeout_s)
 
     def p2p_recv(self, src: Optional[int], tag: int, meta: Any, timeout_s: float) -> Any:
         """Post a receive from group rank ``src`` (``None``: any); a ref to ``(src, payload)``."""
-        return self.client.submit("p2p_recv", self.group_name, src, self.rank, tag, meta,
-                                  timeout_s)
+        return self.client.submit_p2p_recv(self.group_name, src, self.rank, tag, meta, timeout_s)
 
 
 class CollectiveBackend(ABC):

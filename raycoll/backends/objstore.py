@@ -97,7 +97,7 @@ from raycoll.backends._flat import array_meta, copy_into, flat_in, flat_out
 from raycoll.backends._rounds import RoundAlgorithms
 from raycoll.backends._store_steps import Payload, StoreSteps
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
-from raycoll.coordinator import meta_mismatch
+from raycoll.coordinator.logic import meta_mismatch
 from raycoll.reduce_op import ReduceOp, finalize
 from raycoll.tensors import host_view
 from raycoll.transport.base import PerPeer

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import numpy as np
 
 from raycoll import errors
-from raycoll.coordinator import fingerprint_mismatch
+from raycoll.coordinator.logic import fingerprint_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import Call, GroupContext
@@ -360,8 +360,8 @@ class RoundTransport:
             self._reported_at = now
             progress = self._progress()
         try:
-            self.ctx.client.submit("lane_progress", self.ctx.group_name, self.ctx.global_ranks,
-                                   progress, self.kind)
+            self.ctx.client.submit_lane_progress(self.ctx.group_name, self.ctx.global_ranks,
+                                                 progress, self.kind)
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 
@@ -386,18 +386,16 @@ class RoundTransport:
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
         """Ask the coordinator whether this wait (for group ranks ``waiting``, for
         ``waited_s``) should end; raises its error if so."""
-        self.ctx.client.call(
-            "lane_check", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
-            call.fp, self._progress(), list(waiting), waited_s, timeout_s=30.0,
-            **self.ctx.ctx(call))
+        self.ctx.client.lane_check(
+            self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.fp,
+            self._progress(), waiting, waited_s, where=self.ctx.ctx(call))
 
     def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
         """The error for ``call`` timing out waiting for group ranks ``missing``."""
-        result = self.ctx.client.submit(
-            "lane_timeout", self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank,
-            call.op, list(missing), self._progress(), call.timeout_s)
         try:
-            self.ctx.client.wait(result, 30.0, **self.ctx.ctx(call))
+            self.ctx.client.lane_timeout(
+                self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.op,
+                missing, self._progress(), call.timeout_s, where=self.ctx.ctx(call))
         except errors.RaycollError as exc:
             return exc
         who = [self.ctx.global_ranks[s] for s in missing]

@@ -68,9 +68,9 @@ def _exchange_uid(owner: NcclOwner, device: int, index: int, what: What,
     mine = {"node": ctx.node_ids[me], "gpu": _gpu_id(owner.cp, device), "device": device,
             "uid": owner.nccl.get_unique_id() if me == 0 else None}
     where = owner.err_ctx(what)
-    ctx.client.call("kv_set", f"{base}/{me}", mine, timeout_s=what.timeout_s, **where)
+    ctx.client.kv_set(f"{base}/{me}", mine, what.timeout_s, where)
     left = max(deadline - time.monotonic(), 0.001)
-    refs = [ctx.client.submit("kv_get", f"{base}/{r}", left) for r in range(ctx.size)]
+    refs = [ctx.client.submit_kv_get(f"{base}/{r}", left) for r in range(ctx.size)]
     infos: List[Dict[str, Any]] = []
     missing: List[int] = []
     for r, ref in enumerate(refs):

@@ -1,0 +1,206 @@
+"""The coordinator actor: one async Ray actor per root group, and how it is started.
+
+:class:`Coordinator` combines the concerns, each in its own module: membership
+(rendezvous, leave), the key-value store and ``status`` here; round matching
+(:mod:`.rounds`), lane bookkeeping (:mod:`.lane`), Join state (:mod:`.join_state`), the
+point-to-point mailbox (:mod:`.mailbox`) and liveness (:mod:`.liveness`). Every RPC answers
+with a result tuple (:mod:`.logic`); ranks call it through
+:class:`raycoll.coordinator.client.CoordinatorClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any, Dict, Optional
+
+import ray
+
+from raycoll import errors
+from raycoll.coordinator.join_state import JoinMixin
+from raycoll.coordinator.lane import LaneMixin
+from raycoll.coordinator.liveness import LivenessMixin
+from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
+from raycoll.coordinator.mailbox import MailboxMixin
+from raycoll.coordinator.rounds import RoundsMixin
+
+
+class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin):
+    """The coordinator actor's class. Create it with :func:`start_coordinator`."""
+
+    # ------------------------------------------------------------------ rendezvous
+    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
+        """Register ``rank``; return every rank's info once all ``world_size`` have arrived."""
+        if world_size != self._world_size:
+            return err(
+                "value",
+                f"group {self._group_name!r} has world_size={self._world_size}, "
+                f"but rank {rank} called with world_size={world_size}",
+            )
+        if not 0 <= rank < world_size:
+            return err("value", f"rank={rank} is out of range for world_size={world_size}")
+        if self._formed.is_set() and rank in self._left:
+            # This rank left and comes back: wait until every rank has left, then re-form.
+            try:
+                await asyncio.wait_for(self._reset.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return err("timeout", f"rank {rank} re-joined group {self._group_name!r} but the "
+                            f"previous generation never fully left within {timeout_s}s")
+        if rank in self._members:
+            holder = self._members[rank].get("actor_id") or "a non-actor process"
+            state = "formed" if self._formed.is_set() else "forming"
+            return err("value", f"rank {rank} joined group {self._group_name!r} ({state}) twice: "
+                        f"it is held by another process (actor {holder}); two processes called "
+                        "with the same rank, or this process was not made part of the group")
+        self._members[rank] = info
+        if len(self._members) == self._world_size:
+            self._secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
+            self._formed.set()
+            self._reset = asyncio.Event()
+            self._left = set()
+        try:
+            await asyncio.wait_for(self._formed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(self._world_size)) - set(self._members))
+            self._members.pop(rank, None)
+            return err("timeout", f"rendezvous of group {self._group_name!r} timed out after "
+                        f"{timeout_s:g}s: ranks {fmt_ranks(missing)} never joined", missing=missing)
+        return ok({
+            "members": [dict(self._members[r], rank=r) for r in range(self._world_size)],
+            "generation": self._generation,
+            "secret": self._secret,
+        })
+
+    def leave(self, rank: int) -> Result:
+        """``rank`` destroyed its handle on the group; once all have, the group may re-form.
+
+        Returns ``{"all_left": bool}``: the last rank to leave a by-name group stops this
+        coordinator (a new one is started by the next rendezvous).
+        """
+        self._left.add(rank)
+        self._liveness_left(rank)
+        all_left = self._left >= set(range(self._world_size))
+        if all_left:
+            self._liveness_reset(self._generation)
+            self._members.clear()
+            self._formed = asyncio.Event()
+            self._generation += 1
+            self._rounds.clear()
+            self._broken.clear()
+            self._last.clear()
+            self._current.clear()
+            self._joins.clear()
+            self._join_done.clear()
+            self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
+            self._kv_events.clear()
+            self._reset.set()
+        return ok({"all_left": all_left})
+
+    def _self_destruct_if_orphaned(self) -> None:
+        """A by-name coordinator whose ranks all died stops itself (nobody else will)."""
+        if self._owned_by_ranks and not self._members:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    # ------------------------------------------------------------------ key-value store
+    def kv_set(self, key: str, value: Any) -> Result:
+        """Set ``key`` (for this generation of the group), waking its waiting readers."""
+        self._kv[key] = value
+        self._kv_events[key].set()
+        return ok()
+
+    async def kv_get(self, key: str, timeout_s: float) -> Result:
+        """The value of ``key``, waiting up to ``timeout_s`` for it to be set."""
+        if key not in self._kv:
+            try:
+                await asyncio.wait_for(self._kv_events[key].wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return err("timeout", f"key {key!r} was not set within {timeout_s:g}s")
+        return ok(self._kv[key])
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> Result:
+        """Each group's ranks: last completed and current collective (name, seq)."""
+        out: Dict[str, Any] = {}
+        for key, ranks in self._groups.items():
+            out[key] = {
+                ranks[r]: {
+                    "last_completed": self._last[key].get(r),
+                    "current": self._current[key].get(r),
+                }
+                for r in range(len(ranks))
+            }
+            if key in self._broken:
+                out[key]["broken"] = self._broken[key][2]
+            if key in self._lane_groups:
+                out[key]["transport"] = self._lane_groups[key]
+                out[key]["lane"] = self._lane_groups[key] == "lane"
+            self._join_status(key, out[key])
+        return ok({"world_size": self._world_size, "members": sorted(self._members),
+                    "generation": self._generation, "groups": out})
+
+    def state_sizes(self) -> Result:
+        """How many entries the coordinator holds per table (a leak check for soak runs)."""
+        return ok({
+            "rounds": len(self._rounds), "groups": len(self._groups), "broken": len(self._broken),
+            "mail": sum(len(q) for q in self._mail.values()),
+            "receivers": sum(len(q) for q in self._waiting.values()),
+            "kv": len(self._kv), "leases": len(self._leases),
+            "lease_watchers": len(self._lease_watchers), "waits": len(self._waits),
+            "probes": sum(1 for t in self._probes.values() if not t.done()),
+            "probes_sent": self._probes_sent,
+        })
+
+
+_RemoteCoordinator: Any = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, max_concurrency=100_000, max_restarts=0)(Coordinator)
+
+
+def start_coordinator(group_name: str, world_size: int, actor_name: str,
+                      get_if_exists: bool = False) -> "ray.actor.ActorHandle":
+    """Start (or, with ``get_if_exists``, find) the named coordinator of a root group.
+
+    Ranks that rendezvous by name race to create it: the loser of the race may be handed a
+    handle whose creation failed, so each candidate is checked alive, and looked up again
+    by name if it is not.
+    """
+    if not get_if_exists:
+        return _RemoteCoordinator.options(name=actor_name, scheduling_strategy=_here()).remote(
+            group_name, world_size)
+    last: Optional[BaseException] = None
+    for _ in range(_START_ATTEMPTS):
+        try:
+            handle = ray.get_actor(actor_name)
+        except ValueError:
+            try:
+                handle = _RemoteCoordinator.options(
+                    name=actor_name, lifetime="detached", scheduling_strategy=_here(),
+                ).remote(group_name, world_size, True)
+            except ValueError as exc:  # another rank created it between our two calls
+                last = exc
+                continue
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=_START_TIMEOUT_S)
+            return handle
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            last = exc
+    raise errors.CoordinatorDiedError(
+        f"could not start or find the coordinator {actor_name!r} of group {group_name!r} "
+        f"after {_START_ATTEMPTS} attempts: {last}", group=group_name)
+
+
+_START_ATTEMPTS = 5
+_START_TIMEOUT_S = 60.0
+
+
+def _here() -> Any:
+    """Place the coordinator on the node of the process that starts it (the driver, for
+    create_group), not on any node: a zero-CPU actor could otherwise land on a worker node,
+    and losing that node would take the whole group's control plane with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # hard affinity: soft=True lets Ray 2.60 place it elsewhere even when this node is free;
+    # this node is alive (we run on it) and the actor needs no CPU.
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                          soft=False)
+
+

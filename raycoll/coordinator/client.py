@@ -1,0 +1,246 @@
+"""How a rank talks to its coordinator: one method per RPC, every wait bounded.
+
+Each RPC of :class:`raycoll.coordinator.actor.Coordinator` has a method here, with typed
+parameters. A method named after the RPC waits for the answer and returns its value, or
+raises the raycoll exception it stands for (:func:`raycoll.coordinator.logic.unwrap`); a
+``submit_*`` method sends the call and returns its object reference at once, for a caller
+that waits later (:meth:`CoordinatorClient.wait`) or never (a notification).
+
+Timeouts: a wait lasts the given bound plus :data:`GRACE_S` (the coordinator answers a call
+that timed out on its side within its own bound: the grace covers the trip back). RPCs that
+wait at the coordinator (``rendezvous``, ``kv_get``, ``exchange``, ``join_round``) are
+bounded by their own ``timeout_s``; the checks a waiting rank makes by
+:data:`CHECK_TIMEOUT_S`; ``where`` is the error context (``op``, ``seq``, ``group``,
+``rank``) a failure names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ray
+
+from raycoll import errors
+from raycoll.coordinator.logic import first_line, unwrap
+
+__all__ = ["CoordinatorClient", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
+           "PENDING_TIMEOUT_S", "rank_info"]
+
+#: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
+GRACE_S = 10.0
+#: Bound on a waiting rank's checks (lane_check, lane_timeout, p2p_check).
+CHECK_TIMEOUT_S = 30.0
+#: Bound on leaving a group (destroy_process_group).
+LEAVE_TIMEOUT_S = 10.0
+#: Bound on asking which ranks a timed-out collective waits for.
+PENDING_TIMEOUT_S = 5.0
+
+Where = Optional[Mapping[str, Any]]
+Progress = Dict[int, Tuple[str, int]]
+
+
+class CoordinatorClient:
+    """How a rank talks to its coordinator: every wait bounded, every failure translated."""
+
+    def __init__(self, handle: "ray.actor.ActorHandle", group_name: str) -> None:
+        self.handle = handle
+        self.group_name = group_name
+        self.lease: Optional["ray.ObjectRef"] = None
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, ref: "ray.ObjectRef", timeout_s: float, *, op: Optional[str] = None,
+             seq: Optional[int] = None, group: Optional[str] = None,
+             rank: Optional[int] = None) -> Any:
+        """The value of a coordinator call, or the raycoll exception it stands for."""
+        ctx: Dict[str, Any] = {"op": op, "seq": seq, "group": group or self.group_name,
+                               "rank": rank}
+        where = f"group {ctx['group']!r}"
+        if op:
+            where = f"{op} #{seq} on {where}" if seq is not None else f"{op} on {where}"
+        try:
+            result = ray.get(ref, timeout=timeout_s + GRACE_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise errors.DistTimeoutError(
+                f"{where}: the coordinator did not answer within {timeout_s + GRACE_S:g}s", **ctx
+            ) from exc
+        except ray.exceptions.RayActorError as exc:
+            raise errors.CoordinatorDiedError(
+                f"{where}: the coordinator of group {self.group_name!r} is gone (the group was "
+                f"destroyed, or the process that created it exited): {first_line(exc)}", **ctx
+            ) from exc
+        return unwrap(result, ctx)
+
+    def _wait(self, ref: "ray.ObjectRef", timeout_s: float, where: Where) -> Any:
+        return self.wait(ref, timeout_s, **(where or {}))
+
+    # ------------------------------------------------------------------ membership
+    def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any],
+                   timeout_s: float) -> Dict[str, Any]:
+        """Join the group as ``rank`` (``info``: see :func:`rank_info`); waits up to
+        ``timeout_s`` for every rank. Returns ``{"members", "generation", "secret"}``."""
+        ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s)
+        return self.wait(ref, timeout_s, group=self.group_name, rank=rank, op="rendezvous")
+
+    def hold_lease(self, rank: int, generation: int) -> None:
+        """Hold this rank's lease on the coordinator (see :mod:`raycoll.coordinator.liveness`):
+        if this process dies, the coordinator learns it at once and fails the rank's peers.
+        Does not wait."""
+        self.lease = self.handle.lease.remote(rank, generation)
+        self.handle.watch.remote(rank, generation, [self.lease])
+
+    def leave(self, rank: int, timeout_s: float = LEAVE_TIMEOUT_S) -> Dict[str, Any]:
+        """``rank`` leaves the group; returns ``{"all_left": bool}``."""
+        return self.wait(self.handle.leave.remote(rank), timeout_s, op="leave")
+
+    def status(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:
+        """Every group's ranks: last completed and current collective, Join state, breaks."""
+        return self._wait(self.handle.status.remote(), timeout_s, where)
+
+    def dead_ranks(self, timeout_s: float, where: Where = None) -> Dict[int, str]:
+        """The global ranks found dead in this generation, with the reason."""
+        return self._wait(self.handle.dead_ranks.remote(), timeout_s, where)
+
+    def state_sizes(self, timeout_s: float, where: Where = None) -> Dict[str, int]:
+        """How many entries the coordinator holds per table (a leak check)."""
+        return self._wait(self.handle.state_sizes.remote(), timeout_s, where)
+
+    # ------------------------------------------------------------------ key-value store
+    def kv_set(self, key: str, value: Any, timeout_s: float, where: Where = None) -> None:
+        """Set ``key`` for this generation of the group; waits until it is recorded."""
+        self._wait(self.handle.kv_set.remote(key, value), timeout_s, where)
+
+    def submit_kv_get(self, key: str, timeout_s: float) -> "ray.ObjectRef":
+        """Ask for ``key``, which the coordinator awaits up to ``timeout_s``; does not wait."""
+        return self.handle.kv_get.remote(key, timeout_s)
+
+    def kv_get(self, key: str, timeout_s: float, where: Where = None) -> Any:
+        """The value of ``key``, waiting up to ``timeout_s`` for it to be set."""
+        return self._wait(self.submit_kv_get(key, timeout_s), timeout_s, where)
+
+    # ------------------------------------------------------------------ collectives
+    def submit_exchange(self, key: str, ranks: Sequence[int], seq: int, step: int, rank: int,
+                        fp: Dict[str, Any], send_meta: Optional[List[Any]],
+                        recv_meta: Optional[List[Any]], payload: Any, mode: str,
+                        root: Optional[int], timeout_s: float) -> "ray.ObjectRef":
+        """Arrive at step ``step`` of collective ``seq`` (see ``Coordinator.exchange``; sent
+        packed in one tuple, the collectives' hot path); does not wait."""
+        return self.handle.exchange_packed.remote((
+            key, ranks, seq, step, rank, fp, send_meta, recv_meta, payload, mode, root,
+            timeout_s,
+        ))
+
+    def exchange(self, key: str, ranks: Sequence[int], seq: int, step: int, rank: int,
+                 fp: Dict[str, Any], send_meta: Optional[List[Any]],
+                 recv_meta: Optional[List[Any]], payload: Any, mode: str,
+                 root: Optional[int], timeout_s: float, where: Where = None) -> Any:
+        """:meth:`submit_exchange`, waiting up to ``timeout_s`` for this rank's share."""
+        # sent here rather than through submit_exchange: the collectives' hot path
+        ref: "ray.ObjectRef" = self.handle.exchange_packed.remote((
+            key, ranks, seq, step, rank, fp, send_meta, recv_meta, payload, mode, root,
+            timeout_s,
+        ))
+        return self.wait(ref, timeout_s, **(where or {}))
+
+    def submit_reject(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
+                      message: str) -> "ray.ObjectRef":
+        """Group rank ``rank`` rejected its arguments for collective ``seq``: fail it on
+        every rank. Does not wait."""
+        return self.handle.reject.remote(key, ranks, seq, rank, op, message)
+
+    def submit_abort(self, key: str, kind: str, message: str,
+                     extra: Optional[Dict[str, Any]] = None) -> "ray.ObjectRef":
+        """Break group ``key`` and its subgroups with error ``kind``/``message``; does not wait."""
+        return self.handle.abort.remote(key, kind, message, extra if extra is not None else {})
+
+    def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None,
+              *, timeout_s: float, where: Where = None) -> None:
+        """:meth:`submit_abort`, waiting up to ``timeout_s`` until the break is recorded."""
+        self._wait(self.submit_abort(key, kind, message, extra), timeout_s, where)
+
+    def pending(self, key: str, seq: int, timeout_s: float = PENDING_TIMEOUT_S,
+                where: Where = None) -> Dict[str, Any]:
+        """Which global ranks have not arrived at collective ``seq`` of group ``key``:
+        ``{"missing": [...], "last": {rank: (op, seq) or None}}``."""
+        return self._wait(self.handle.pending.remote(key, seq), timeout_s, where)
+
+    # ------------------------------------------------------------------ the lane
+    def lane_check(self, key: str, ranks: Sequence[int], seq: int, rank: int,
+                   fp: Dict[str, Any], progress: Progress, waiting: Sequence[int],
+                   waited_s: float, *, where: Where = None,
+                   timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """A lane wait for group ranks ``waiting`` has lasted ``waited_s``: raises the error
+        that ends it, if the coordinator has one (see ``Coordinator.lane_check``)."""
+        ref: "ray.ObjectRef" = self.handle.lane_check.remote(
+            key, ranks, seq, rank, fp, progress, list(waiting), waited_s)
+        self._wait(ref, timeout_s, where)
+
+    def lane_timeout(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
+                     missing: Sequence[int], progress: Progress, timeout_s: float, *,
+                     where: Where = None, wait_s: float = CHECK_TIMEOUT_S) -> None:
+        """Collective ``seq`` timed out (after ``timeout_s``) on the lane waiting for group
+        ranks ``missing``: raises the error naming them (the coordinator breaks the group);
+        waits ``wait_s`` for it."""
+        ref: "ray.ObjectRef" = self.handle.lane_timeout.remote(
+            key, ranks, seq, rank, op, list(missing), progress, timeout_s)
+        self._wait(ref, wait_s, where)
+
+    def submit_lane_progress(self, key: str, ranks: Sequence[int], progress: Progress,
+                             transport: str = "lane") -> "ray.ObjectRef":
+        """Tell the coordinator each group rank's last completed collective on round
+        transport ``transport`` (for group_status); does not wait."""
+        return self.handle.lane_progress.remote(key, ranks, progress, transport)
+
+    # ------------------------------------------------------------------ join
+    def submit_join_round(self, key: str, ranks: Sequence[int], seq: int, rank: int,
+                          join_seq: Optional[int], throw_on_early_termination: bool,
+                          timeout_s: float) -> "ray.ObjectRef":
+        """Arrive at join round ``seq`` (packed in one tuple); does not wait."""
+        return self.handle.join_round_packed.remote((
+            key, ranks, seq, rank, join_seq, throw_on_early_termination, timeout_s))
+
+    def submit_join_report(self, key: str, ranks: Sequence[int], rank: int,
+                           join_seq: int) -> "ray.ObjectRef":
+        """Group rank ``rank`` joined in lane round ``join_seq`` (for group_status); does not
+        wait."""
+        return self.handle.join_report.remote(key, ranks, rank, join_seq)
+
+    def submit_join_end(self, key: str, ranks: Sequence[int], seq: int,
+                        order: List[Tuple[int, int]], terminated: bool) -> "ray.ObjectRef":
+        """The lane Join whose final round is ``seq`` is over; does not wait."""
+        return self.handle.join_end.remote(key, ranks, seq, order, terminated)
+
+    # ------------------------------------------------------------------ point to point
+    def submit_p2p_send(self, key: str, src: int, dst: int, tag: int, meta: Any, payload: Any,
+                        timeout_s: float) -> "ray.ObjectRef":
+        """Post a message from group rank ``src`` to ``dst``; the reference resolves once a
+        receive matched it (the coordinator waits up to ``timeout_s``). Does not wait."""
+        return self.handle.p2p_send.remote(key, src, dst, tag, meta, payload, timeout_s)
+
+    def submit_p2p_recv(self, key: str, src: Optional[int], dst: int, tag: int, meta: Any,
+                        timeout_s: float) -> "ray.ObjectRef":
+        """Post a receive at group rank ``dst`` from ``src`` (``None``: any); the reference
+        resolves to ``(src, payload)``. Does not wait."""
+        return self.handle.p2p_recv.remote(key, src, dst, tag, meta, timeout_s)
+
+    def p2p_check(self, key: str, waiting: Sequence[int], waited_s: float, *,
+                  where: Where = None, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """A point-to-point wait for global ranks ``waiting`` has lasted ``waited_s``:
+        raises the error that ends it, if the coordinator has one."""
+        self._wait(self.handle.p2p_check.remote(key, waiting, waited_s), timeout_s, where)
+
+
+def rank_info() -> Dict[str, Any]:
+    """What a rank tells the coordinator about itself at rendezvous."""
+    from raycoll.transport.tcp import listener
+
+    ctx = ray.get_runtime_context()
+    where = listener()
+    info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
+                            "time": time.time(), "addr": where.address if where else None}
+    try:
+        info["actor_id"] = ctx.get_actor_id()
+        info["actor"] = ctx.current_actor if info["actor_id"] else None
+    except Exception:  # noqa: BLE001 - not inside an actor (a driver or a task)
+        info["actor"] = None
+    return info

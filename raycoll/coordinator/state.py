@@ -1,0 +1,132 @@
+"""The coordinator actor's tables, shared by the concerns that make up the actor.
+
+:class:`CoordinatorState` creates every table once; the mixins (:mod:`.rounds`,
+:mod:`.lane`, :mod:`.join_state`, :mod:`.mailbox`, :mod:`.liveness`) hold the behaviour,
+and :class:`raycoll.coordinator.actor.Coordinator` combines them. The methods one concern
+calls on another are declared here for the type checker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict, deque
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+from raycoll.coordinator.logic import Result
+
+
+@dataclass
+class Arrival:
+    """What one rank brought to a round."""
+
+    fp: Dict[str, Any]
+    send_meta: Optional[List[Any]]
+    recv_meta: Optional[List[Any]]
+    payload: Any
+
+
+@dataclass
+class Round:
+    """One step of one collective on one group: who arrived, with what, and the outcome."""
+
+    op: str
+    seq: int
+    size: int
+    arrivals: Dict[int, Arrival] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    results: Optional[Dict[int, Any]] = None
+    error: Optional[Result] = None
+    collected: Set[int] = field(default_factory=set)
+
+
+@dataclass
+class Message:
+    """A posted send waiting for its receive."""
+
+    src: int
+    tag: int
+    meta: Any
+    payload: Any
+    future: "asyncio.Future[Result]"
+
+
+@dataclass
+class Receiver:
+    """A posted receive waiting for its send (``src`` ``None``: from any rank)."""
+
+    src: Optional[int]
+    tag: int
+    meta: Any
+    future: "asyncio.Future[Result]"
+
+
+class CoordinatorState:
+    """Every table of one root group's coordinator (and its subgroups', keyed by name)."""
+
+    def __init__(self, group_name: str, world_size: int, owned_by_ranks: bool = False) -> None:
+        self._group_name = group_name
+        self._world_size = world_size
+        # A coordinator started by ranks rendezvousing by name is detached (so that no rank's
+        # exit can take it down mid-run): it goes away when every rank has left or died.
+        self._owned_by_ranks = owned_by_ranks
+        # membership (rendezvous)
+        self._members: Dict[int, Dict[str, Any]] = {}
+        self._formed = asyncio.Event()
+        self._generation = 0
+        self._secret = b""
+        self._left: Set[int] = set()
+        self._reset = asyncio.Event()
+        # key-value store
+        self._kv: Dict[str, Any] = {}
+        self._kv_events: Dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        # rounds: (group, seq, step) -> round; each group's global ranks; why a group broke;
+        # by group rank, the last completed and the current collective (name, seq)
+        self._rounds: Dict[Tuple[str, int, int], Round] = {}
+        self._groups: Dict[str, Tuple[int, ...]] = {}
+        self._broken: Dict[str, Result] = {}
+        self._last: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
+        self._current: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
+        # point to point: (group, destination group rank) -> posted sends, posted receives
+        self._mail: Dict[Tuple[str, int], Deque[Message]] = defaultdict(deque)
+        self._waiting: Dict[Tuple[str, int], List[Receiver]] = defaultdict(list)
+        # Join: group rank -> seq of the round it joined in, for the Join context in
+        # progress; and how the last finished one ended
+        self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
+        self._join_done: Dict[str, Dict[str, Any]] = {}
+        # groups whose ranks reported progress on a round transport, and its name
+        self._lane_groups: Dict[str, str] = {}
+        # liveness (see raycoll.coordinator.liveness)
+        self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
+        self._death_report: Optional[asyncio.TimerHandle] = None
+        self._waits: Dict[int, Tuple[float, Tuple[int, ...]]] = {}  # token -> (start, ranks)
+        self._wait_tokens = itertools.count()
+        self._waits_started = asyncio.Event()
+        self._monitor: Optional["asyncio.Task[None]"] = None
+        self._probes: Dict[int, "asyncio.Task[None]"] = {}
+        self._answered: Dict[int, float] = {}  # global rank -> when a probe last returned
+        self._probes_sent = 0
+        self._leases: Dict[Tuple[int, int], "asyncio.Future[None]"] = {}
+        self._lease_watchers: Dict[Tuple[int, int], "asyncio.Task[None]"] = {}
+
+    if TYPE_CHECKING:  # provided by one concern, called by another
+        def leave(self, rank: int) -> Result: ...
+        def abort(self, key: str, kind: str, message: str,
+                  extra: Optional[Dict[str, Any]] = None) -> Result: ...
+        async def exchange(self, key: str, ranks: Tuple[int, ...], seq: int, step: int,
+                           rank: int, fp: Dict[str, Any], send_meta: Optional[List[Any]],
+                           recv_meta: Optional[List[Any]], payload: Any, mode: str,
+                           root: Optional[int], timeout_s: float) -> Result: ...
+        def _finish(self, rnd: Round) -> None: ...
+        def _collect(self, key: str, step: int, rnd: Round, rank: int) -> Result: ...
+        def _timeout_error(self, key: str, op: str, seq: int, missing_local: Sequence[int],
+                           timeout_s: float) -> Result: ...
+        def _unusable(self, key: str) -> Optional[Result]: ...
+        def _watching(self, ranks: Optional[Sequence[int]]) -> AbstractContextManager[None]: ...
+        def _probe_if_due(self, g: int, now: float, force: bool = False) -> float: ...
+        def _liveness_left(self, rank: int) -> None: ...
+        def _liveness_reset(self, old_generation: int) -> None: ...
+        def _self_destruct_if_orphaned(self) -> None: ...
+        def _join_status(self, key: str, out: Dict[Any, Any]) -> None: ...
