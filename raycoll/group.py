@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll import debug, errors
-from raycoll.backends import BackendConfig
+from raycoll.backends import BackendConfig, backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
@@ -88,40 +88,6 @@ class GroupMember(metaclass=_WorldMeta):
 
 #: The key of the backend for bfloat16 CPU tensors among a group's backends.
 _BFLOAT16_CPU = "cpu:bfloat16"
-
-#: torch's name for its CPU backend names raycoll's own CPU path here: "objstore" (CPU
-#: tensors, and CUDA tensors staged through host memory, as gloo takes them).
-GLOO, GLOO_AS = "gloo", "objstore"
-_gloo_logged = False
-
-
-def _alias(name: str) -> str:
-    return GLOO_AS if name.strip() == GLOO else name.strip()
-
-
-def backend_config(backend: Any) -> BackendConfig:
-    """``BackendConfig(backend)``, where ``"gloo"`` (alone or in a ``device:name`` map such as
-    ``"cpu:gloo,cuda:nccl"``) names raycoll's ``"objstore"``, unless a backend was registered
-    under that name. Logged once per process, at INFO, on the ``raycoll`` logger."""
-    from raycoll.backends import Backend
-
-    if not isinstance(backend, str) or GLOO in Backend.registered():
-        return BackendConfig(backend)
-    pairs = [part.partition(":") for part in backend.strip().lower().split(",")]
-    text = ",".join(f"{d.strip()}:{_alias(n)}" if sep else _alias(d) for d, sep, n in pairs)
-    if not any((n.strip() if sep else d.strip()) == GLOO for d, sep, n in pairs):
-        return BackendConfig(backend)
-    try:
-        config = BackendConfig(text)
-    except ValueError as exc:
-        raise ValueError(f"backend={backend!r} (read as {text!r}): {exc}") from None
-    global _gloo_logged
-    if not _gloo_logged:
-        _gloo_logged = True
-        logger.info("raycoll: backend=%r runs as %r: 'gloo' names raycoll's own CPU path "
-                    "(%r) here; no gloo is started", backend, text, GLOO_AS)
-    return config
-
 
 @dataclass(frozen=True)
 class GroupSpec:

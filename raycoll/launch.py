@@ -22,9 +22,10 @@ from ray.actor import ActorHandle
 
 from raycoll import errors
 from raycoll._shipping import ship
+from raycoll.backends import backend_config
 from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
-from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, backend_config, join_root_group, world
+from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
 from raycoll.work import to_seconds
 
 logger = logging.getLogger("raycoll")

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import ray
 
 from raycoll import errors
+from raycoll.backends import backend_config
 from raycoll.coordinator import coordinator_name, start_coordinator
 from raycoll.group import (
     DEFAULT_TIMEOUT_S,
@@ -22,7 +23,6 @@ from raycoll.group import (
     GroupSpec,
     ProcessGroup,
     _NonMember,
-    backend_config,
     join_root_group,
     make_subgroup,
     world,
