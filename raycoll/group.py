@@ -26,6 +26,7 @@ from raycoll.backends import BackendConfig, backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
 from raycoll.work import DevicePending, Work
 
@@ -98,7 +99,8 @@ class GroupSpec:
     backend: Optional[str]
     timeout_s: float
     coordinator: Any  # ActorHandle
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: GroupOptions = field(default_factory=GroupOptions)
+    by_name: bool = False  # formed by init_process_group (rendezvous by name)
 
 
 @dataclass
@@ -108,8 +110,9 @@ class _Root:
     name: str
     client: CoordinatorClient
     members: List[Dict[str, Any]]
-    options: Dict[str, Any]
+    options: GroupOptions
     secret: Optional[bytes] = None
+    by_name: bool = False
 
 
 class ProcessGroup:
@@ -218,7 +221,7 @@ class ProcessGroup:
     @property
     def by_name(self) -> bool:
         """True for a root group formed by ``init_process_group`` (rendezvous by name)."""
-        return bool(self._root.options.get("by_name")) and self._parent is None
+        return self._root.by_name and self._parent is None
 
     def __repr__(self) -> str:
         return f"<raycoll.ProcessGroup {self._name!r} rank={self._rank} size={self.size()}>"
@@ -628,7 +631,8 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
                        timeout_s=spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
-    root = _Root(spec.name, client, info["members"], dict(spec.options), info.get("secret"))
+    root = _Root(spec.name, client, info["members"], spec.options, info.get("secret"),
+                 spec.by_name)
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
                       config=config, timeout_s=spec.timeout_s, backend_name=spec.backend)
     w = world()

@@ -118,7 +118,7 @@ def init_process_group(
     while True:
         handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
                                    get_if_exists=True)
-        spec = GroupSpec(group_name, size, backend, seconds, handle, {"by_name": True})
+        spec = GroupSpec(group_name, size, backend, seconds, handle, by_name=True)
         try:
             return join_root_group(spec, me, make_default=make_default)
         except errors.CoordinatorDiedError:
