@@ -223,6 +223,42 @@ class ProcessGroup:
         """True for a root group formed by ``init_process_group`` (rendezvous by name)."""
         return self._root.by_name and self._parent is None
 
+    @property
+    def client(self) -> CoordinatorClient:
+        """The line to the coordinator of the group's root group."""
+        return self._root.client
+
+    @property
+    def node_ids(self) -> Tuple[str, ...]:
+        """Each member's Ray node id, indexed by group rank."""
+        return self.context.node_ids
+
+    @property
+    def transport_name(self) -> str:
+        """The round transport the group uses: ``"lane"``, ``"tcp"``, ``"store"``, or
+        ``"undecided"`` before its first collective (see :mod:`raycoll.transport`)."""
+        return self.context.transport_name
+
+    @property
+    def lane_active(self) -> bool:
+        """Whether the group's round transport is set up (alike on every rank between
+        collectives)."""
+        return self.context.lane_active
+
+    def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
+        """Every rank's small ``payload`` for ``call``, by group rank, through the round
+        transport; ``None`` when the group has none."""
+        return self.context.gather_round(call, payload)
+
+    def report_progress(self) -> None:
+        """Send the coordinator what this rank's round transport knows of every rank's
+        progress (for ``group_status``)."""
+        self.context.lane_report()
+
+    def error_context(self, call: Call) -> Dict[str, Any]:
+        """The keyword arguments of a raycoll error about ``call`` on this rank."""
+        return self.context.ctx(call)
+
     def __repr__(self) -> str:
         return f"<raycoll.ProcessGroup {self._name!r} rank={self._rank} size={self.size()}>"
 

@@ -198,7 +198,7 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         mine = [pg for name, pg in world().groups.items()
                 if name == root or name.startswith(root + "/")]
     for pg in mine:  # this process is a rank: what its lane knows goes first
-        pg.context.lane_report()
+        pg.report_progress()
     client = _status_client(root)
     raw = client.call("status", timeout_s=_TEARDOWN_S, op="group_status", group=root)
     if any(isinstance(g, dict) and g.get("lane") for g in raw.get("groups", {}).values()):
@@ -226,7 +226,7 @@ def _status_client(root: str) -> CoordinatorClient:
     with world().lock:
         pg = world().groups.get(root)
     if pg is not None:
-        return pg.context.client
+        return pg.client
     if ray.is_initialized():
         job = ray.get_runtime_context().get_job_id()
         try:
@@ -406,7 +406,7 @@ def _master_endpoint(actor_self: Any) -> Tuple[str, int]:
 
 def _export_env(actor_self: Any, group_name: str, rank: int, master: Tuple[str, int]) -> None:
     """Runs in each rank: torchrun's variables, LOCAL_* from the ranks that share its node."""
-    nodes = world().groups[group_name].context.node_ids
+    nodes = world().groups[group_name].node_ids
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
         "LOCAL_RANK": str(nodes[:rank].count(nodes[rank])),

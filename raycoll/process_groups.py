@@ -159,7 +159,7 @@ def _leave(pg: ProcessGroup) -> None:
     world().remove(pg.name, "destroy_process_group() was called")
     if "/" in pg.name:
         return
-    client = pg.context.client
+    client = pg.client
     try:
         result = client.call("leave", pg.rank(), timeout_s=_LEAVE_TIMEOUT_S, op="leave")
     except errors.RaycollError:
@@ -381,7 +381,7 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
         raise ValueError("new_subgroups: this process is not a member of the parent group")
     size = parent.size()
     if group_size is None:
-        nodes = parent.context.node_ids
+        nodes = parent.node_ids
         group_size = nodes.count(nodes[parent.rank()])
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         raise TypeError(f"group_size must be an int or None, got {group_size!r}")

@@ -109,8 +109,9 @@ def _seen(rank: int, name: str) -> Dict[str, Any]:
     x = np.full(4, float(rank + 1))
     raycoll.all_reduce(x, group=name)
     pg = world().groups[name]
-    return {"sum": x.tolist(), "options": pg.context.options,
-            "transport": pg.context.transport_name}
+    return {"sum": x.tolist(), "options": pg.context.options, "transport": pg.transport_name,
+            "lane_active": pg.lane_active, "nodes": len(pg.node_ids),
+            "client": pg.client is pg.context.client}
 
 
 @pytest.mark.timeout(240)
@@ -121,7 +122,8 @@ def test_a_dict_and_a_group_options_both_reach_every_rank(rank_actors: List[Any]
     for got in _form(rank_actors[:2], given):
         assert got["sum"] == [3.0] * 4
         assert got["options"] == GroupOptions(transport="store", inline_bytes=0)
-        assert got["transport"] == "store"
+        assert got["transport"] == "store" and got["lane_active"] is False
+        assert got["nodes"] == 2 and got["client"] is True
 
 
 @pytest.mark.timeout(120)
