@@ -353,7 +353,7 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
         client.submit("join_report", pg.name, pg.global_ranks, pg.rank(), join_seq)
     if ended:
         client.submit("join_end", pg.name, pg.global_ranks, call.seq, order,
-                          not outcome["all_joined"])
+                      not outcome["all_joined"])
     return outcome
 
 
