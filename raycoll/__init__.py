@@ -64,6 +64,7 @@ from raycoll.group import GroupMember, ProcessGroup
 from raycoll.group import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
+from raycoll.options import GroupOptions
 from raycoll.object_collectives import (
     all_gather_object,
     broadcast_object_list,
@@ -117,7 +118,7 @@ __all__ = [
     # uneven inputs
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
-    "create_group", "destroy_group", "spawn", "group_status",
+    "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
     # errors
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll import debug, errors
-from raycoll.backends import BackendConfig
+from raycoll.backends import BackendConfig, backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
 from raycoll.work import DevicePending, Work
 
@@ -89,40 +90,6 @@ class GroupMember(metaclass=_WorldMeta):
 #: The key of the backend for bfloat16 CPU tensors among a group's backends.
 _BFLOAT16_CPU = "cpu:bfloat16"
 
-#: torch's name for its CPU backend names raycoll's own CPU path here: "objstore" (CPU
-#: tensors, and CUDA tensors staged through host memory, as gloo takes them).
-GLOO, GLOO_AS = "gloo", "objstore"
-_gloo_logged = False
-
-
-def _alias(name: str) -> str:
-    return GLOO_AS if name.strip() == GLOO else name.strip()
-
-
-def backend_config(backend: Any) -> BackendConfig:
-    """``BackendConfig(backend)``, where ``"gloo"`` (alone or in a ``device:name`` map such as
-    ``"cpu:gloo,cuda:nccl"``) names raycoll's ``"objstore"``, unless a backend was registered
-    under that name. Logged once per process, at INFO, on the ``raycoll`` logger."""
-    from raycoll.backends import Backend
-
-    if not isinstance(backend, str) or GLOO in Backend.registered():
-        return BackendConfig(backend)
-    pairs = [part.partition(":") for part in backend.strip().lower().split(",")]
-    text = ",".join(f"{d.strip()}:{_alias(n)}" if sep else _alias(d) for d, sep, n in pairs)
-    if not any((n.strip() if sep else d.strip()) == GLOO for d, sep, n in pairs):
-        return BackendConfig(backend)
-    try:
-        config = BackendConfig(text)
-    except ValueError as exc:
-        raise ValueError(f"backend={backend!r} (read as {text!r}): {exc}") from None
-    global _gloo_logged
-    if not _gloo_logged:
-        _gloo_logged = True
-        logger.info("raycoll: backend=%r runs as %r: 'gloo' names raycoll's own CPU path "
-                    "(%r) here; no gloo is started", backend, text, GLOO_AS)
-    return config
-
-
 @dataclass(frozen=True)
 class GroupSpec:
     """What a rank needs to join a root group: sent by the driver or built by the rank."""
@@ -132,7 +99,8 @@ class GroupSpec:
     backend: Optional[str]
     timeout_s: float
     coordinator: Any  # ActorHandle
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: GroupOptions = field(default_factory=GroupOptions)
+    by_name: bool = False  # formed by init_process_group (rendezvous by name)
 
 
 @dataclass
@@ -142,8 +110,9 @@ class _Root:
     name: str
     client: CoordinatorClient
     members: List[Dict[str, Any]]
-    options: Dict[str, Any]
+    options: GroupOptions
     secret: Optional[bytes] = None
+    by_name: bool = False
 
 
 class ProcessGroup:
@@ -252,7 +221,43 @@ class ProcessGroup:
     @property
     def by_name(self) -> bool:
         """True for a root group formed by ``init_process_group`` (rendezvous by name)."""
-        return bool(self._root.options.get("by_name")) and self._parent is None
+        return self._root.by_name and self._parent is None
+
+    @property
+    def client(self) -> CoordinatorClient:
+        """The line to the coordinator of the group's root group."""
+        return self._root.client
+
+    @property
+    def node_ids(self) -> Tuple[str, ...]:
+        """Each member's Ray node id, indexed by group rank."""
+        return self.context.node_ids
+
+    @property
+    def transport_name(self) -> str:
+        """The round transport the group uses: ``"lane"``, ``"tcp"``, ``"store"``, or
+        ``"undecided"`` before its first collective (see :mod:`raycoll.transport`)."""
+        return self.context.transport_name
+
+    @property
+    def lane_active(self) -> bool:
+        """Whether the group's round transport is set up (alike on every rank between
+        collectives)."""
+        return self.context.lane_active
+
+    def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
+        """Every rank's small ``payload`` for ``call``, by group rank, through the round
+        transport; ``None`` when the group has none."""
+        return self.context.gather_round(call, payload)
+
+    def report_progress(self) -> None:
+        """Send the coordinator what this rank's round transport knows of every rank's
+        progress (for ``group_status``)."""
+        self.context.lane_report()
+
+    def error_context(self, call: Call) -> Dict[str, Any]:
+        """The keyword arguments of a raycoll error about ``call`` on this rank."""
+        return self.context.ctx(call)
 
     def __repr__(self) -> str:
         return f"<raycoll.ProcessGroup {self._name!r} rank={self._rank} size={self.size()}>"
@@ -661,7 +666,8 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     info = client.rendezvous(rank, spec.world_size, rank_info(), spec.timeout_s)
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
-    root = _Root(spec.name, client, info["members"], dict(spec.options), info.get("secret"))
+    root = _Root(spec.name, client, info["members"], spec.options, info.get("secret"),
+                 spec.by_name)
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
                       config=config, timeout_s=spec.timeout_s, backend_name=spec.backend)
     w = world()

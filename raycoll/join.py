@@ -303,10 +303,10 @@ def _round_in_order(pg: ProcessGroup, call: Any, join_seq: Optional[int],
                     throw: bool) -> RoundResult:
     """A join round run in the group's issue order: on the lane if the group has one by then,
     else through the coordinator."""
-    if pg.context.lane_active:
+    if pg.lane_active:
         return _lane_round(pg, call, join_seq, throw)
     ref = _submit(pg, call, join_seq, throw)
-    return pg.context.client.wait(ref, call.timeout_s, **pg.context.ctx(call))
+    return pg.client.wait(ref, call.timeout_s, **pg.error_context(call))
 
 
 def _local_result(pg: ProcessGroup, join_seq: Optional[int]) -> RoundResult:
@@ -317,8 +317,8 @@ def _local_result(pg: ProcessGroup, join_seq: Optional[int]) -> RoundResult:
 
 
 def _submit(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> "ray.ObjectRef":
-    return pg.context.client.submit_join_round(pg.name, pg.global_ranks, call.seq, pg.rank(),
-                                               join_seq, throw, call.timeout_s)
+    return pg.client.submit_join_round(pg.name, pg.global_ranks, call.seq, pg.rank(),
+                                       join_seq, throw, call.timeout_s)
 
 
 def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> RoundResult:
@@ -336,23 +336,24 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
     computing the answer; the coordinator hears only of joins and of the end, for
     group_status. Called in the group's issue order, so every rank takes this path for the
     same round (the lane is set up or not alike on every rank)."""
-    ctx = pg.context
+    client = pg.client
     fp_call = pg.with_fingerprint(call, throw_on_early_termination=bool(throw))
     try:
-        seqs = ctx.gather_round(fp_call, join_seq)
+        seqs = pg.gather_round(fp_call, join_seq)
     except errors.CollectiveMismatchError as exc:  # out of step: nothing can go on
-        err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}", **ctx.ctx(call))
-        ctx.client.submit_abort(pg.name, "mismatch", str(err), {})
+        err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}",
+                                             **pg.error_context(call))
+        client.submit_abort(pg.name, "mismatch", str(err), {})
         raise err from exc
     if seqs is None:  # cannot happen: the lane was checked active in issue order
         raise errors.CollectiveError(f"join #{call.seq} on group {pg.name!r}: the lane is gone",
-                                     **ctx.ctx(call))
+                                     **pg.error_context(call))
     outcome, order, ended = join_outcome(pg.global_ranks, seqs, join_seq, throw)
     if join_seq is not None and join_seq == call.seq:  # this rank joined in this round
-        ctx.client.submit_join_report(pg.name, pg.global_ranks, pg.rank(), join_seq)
+        client.submit_join_report(pg.name, pg.global_ranks, pg.rank(), join_seq)
     if ended:
-        ctx.client.submit_join_end(pg.name, pg.global_ranks, call.seq, order,
-                                   not outcome["all_joined"])
+        client.submit_join_end(pg.name, pg.global_ranks, call.seq, order,
+                               not outcome["all_joined"])
     return outcome
 
 
@@ -369,12 +370,12 @@ def _post_round(pg: ProcessGroup, call: Any) -> Work:
     describe = f"join #{call.seq} on group {pg.name!r}"
     if pg.size() == 1:
         return Work.completed(_local_result(pg, None), describe=describe)
-    if pg.context.lane_active or pg.outstanding():
+    if pg.lane_active or pg.outstanding():
         return cast(Work, pg.run(call, lambda: _round_in_order(pg, call, None, False),
                                  async_op=True))
     ref = _submit(pg, call, None, False)
-    ctx = pg.context.ctx(call)
-    client = pg.context.client
+    ctx = pg.error_context(call)
+    client = pg.client
     inner: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
 
     def done(_f: "concurrent.futures.Future[Any]") -> None:

@@ -22,9 +22,11 @@ from ray.actor import ActorHandle
 
 from raycoll import errors
 from raycoll._shipping import ship
+from raycoll.backends import backend_config
 from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
-from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, backend_config, join_root_group, world
+from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
+from raycoll.options import GroupOptions, OptionsLike
 from raycoll.work import to_seconds
 
 logger = logging.getLogger("raycoll")
@@ -57,7 +59,7 @@ def _leave(actor_self: Any, group_name: str) -> None:
 
 def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
                  group_name: str = "default", timeout: Any = None,
-                 options: Optional[Dict[str, Any]] = None) -> None:
+                 options: OptionsLike = None) -> None:
     """Form group ``group_name`` among ``actors`` (rank = position in the list).
 
     Call it from the driver (or any process that owns the actors). Returns once every actor
@@ -65,6 +67,11 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     ``timeout`` (a sync actor busy in another method cannot join until it returns). Inside
     the actors the group is then the default group if they had none, and is always reachable
     as ``group=group_name``.
+
+    ``options`` tune the group's transports and algorithms: a dict such as
+    ``{"transport": "tcp"}`` or a :class:`~raycoll.GroupOptions` (the names, their types and
+    defaults are listed there). An unknown name or a bad value raises ``ValueError`` naming
+    the option before anything starts.
     """
     if not isinstance(actors, (list, tuple)) or not actors:
         raise ValueError("actors must be a non-empty list of Ray actor handles")
@@ -77,6 +84,7 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     if not isinstance(group_name, str) or not group_name or "/" in group_name:
         raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
     backend_config(backend)  # reject a bad backend string before starting anything
+    group_options = GroupOptions.of(options)
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     with _lock:
         if group_name in _groups:
@@ -89,7 +97,7 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
             handle = start_coordinator(group_name, len(actors), coordinator_name(job, group_name))
         except ValueError as exc:  # the name is taken: another process of this job made it
             raise ValueError(f"group {group_name!r} already exists in this job") from exc
-        spec = GroupSpec(group_name, len(actors), backend, seconds, handle, dict(options or {}))
+        spec = GroupSpec(group_name, len(actors), backend, seconds, handle, group_options)
         refs = [a.__ray_call__.remote(_join, spec, rank) for rank, a in enumerate(actors)]
         _wait_joined(refs, seconds, group_name)
     except BaseException:
@@ -190,7 +198,7 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         mine = [pg for name, pg in world().groups.items()
                 if name == root or name.startswith(root + "/")]
     for pg in mine:  # this process is a rank: what its lane knows goes first
-        pg.context.lane_report()
+        pg.report_progress()
     client = _status_client(root)
     raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
     if any(isinstance(g, dict) and g.get("lane") for g in raw.get("groups", {}).values()):
@@ -218,7 +226,7 @@ def _status_client(root: str) -> CoordinatorClient:
     with world().lock:
         pg = world().groups.get(root)
     if pg is not None:
-        return pg.context.client
+        return pg.client
     if ray.is_initialized():
         job = ray.get_runtime_context().get_job_id()
         try:
@@ -398,7 +406,7 @@ def _master_endpoint(actor_self: Any) -> Tuple[str, int]:
 
 def _export_env(actor_self: Any, group_name: str, rank: int, master: Tuple[str, int]) -> None:
     """Runs in each rank: torchrun's variables, LOCAL_* from the ranks that share its node."""
-    nodes = world().groups[group_name].context.node_ids
+    nodes = world().groups[group_name].node_ids
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(len(nodes)),
         "LOCAL_RANK": str(nodes[:rank].count(nodes[rank])),

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import ray
 
 from raycoll import errors
+from raycoll.backends import backend_config
 from raycoll.coordinator import coordinator_name, start_coordinator
 from raycoll.group import (
     DEFAULT_TIMEOUT_S,
@@ -22,7 +23,6 @@ from raycoll.group import (
     GroupSpec,
     ProcessGroup,
     _NonMember,
-    backend_config,
     join_root_group,
     make_subgroup,
     world,
@@ -118,7 +118,7 @@ def init_process_group(
     while True:
         handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
                                    get_if_exists=True)
-        spec = GroupSpec(group_name, size, backend, seconds, handle, {"by_name": True})
+        spec = GroupSpec(group_name, size, backend, seconds, handle, by_name=True)
         try:
             return join_root_group(spec, me, make_default=make_default)
         except errors.CoordinatorDiedError:
@@ -159,7 +159,7 @@ def _leave(pg: ProcessGroup) -> None:
     world().remove(pg.name, "destroy_process_group() was called")
     if "/" in pg.name:
         return
-    client = pg.context.client
+    client = pg.client
     try:
         result = client.leave(pg.rank())
     except errors.RaycollError:
@@ -379,7 +379,7 @@ def new_subgroups(group_size: Optional[int] = None, group: GroupLike = None, tim
         raise ValueError("new_subgroups: this process is not a member of the parent group")
     size = parent.size()
     if group_size is None:
-        nodes = parent.context.node_ids
+        nodes = parent.node_ids
         group_size = nodes.count(nodes[parent.rank()])
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         raise TypeError(f"group_size must be an int or None, got {group_size!r}")

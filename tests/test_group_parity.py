@@ -220,20 +220,20 @@ def test_the_gloo_alias_is_logged_once_and_bad_strings_name_what_was_given(caplo
     import importlib
     import logging
 
-    group_module = importlib.import_module("raycoll.group")  # raycoll.group is torch's `group`
-    monkeypatch.setattr(group_module, "_gloo_logged", False)
+    backends_module = importlib.import_module("raycoll.backends")
+    monkeypatch.setattr(backends_module, "_gloo_logged", False)
     with caplog.at_level(logging.INFO, logger="raycoll"):
-        assert group_module.backend_config("gloo").get_device_backend_map() == \
+        assert backends_module.backend_config("gloo").get_device_backend_map() == \
             {"cpu": "objstore", "cuda": "objstore"}
-        assert group_module.backend_config("cpu:gloo,cuda:nccl").get_device_backend_map() == \
+        assert backends_module.backend_config("cpu:gloo,cuda:nccl").get_device_backend_map() == \
             {"cpu": "objstore", "cuda": "nccl"}
     logged = [r.getMessage() for r in caplog.records if "gloo" in r.getMessage()]
     assert len(logged) == 1 and "objstore" in logged[0], logged
     with pytest.raises(ValueError, match="backend='cpu:gloo,cpu:nccl'.*given twice"):
-        group_module.backend_config("cpu:gloo,cpu:nccl")
+        backends_module.backend_config("cpu:gloo,cpu:nccl")
     # torch's Backend.GLOO names it too
     assert raycoll.Backend.GLOO == raycoll.Backend("GLOO") == "gloo"
-    assert group_module.backend_config(raycoll.Backend.GLOO).get_device_backend_map()["cpu"] == \
+    assert backends_module.backend_config(raycoll.Backend.GLOO).get_device_backend_map()["cpu"] == \
         "objstore"
     with pytest.raises(ValueError, match="unknown backend 'mpi'"):
         raycoll.Backend("mpi")

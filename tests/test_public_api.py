@@ -33,7 +33,7 @@ EXPECTED = [
     # uneven inputs
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
-    "create_group", "destroy_group", "spawn", "group_status",
+    "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
     # errors
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",

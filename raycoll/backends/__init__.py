@@ -19,19 +19,25 @@ c10d: ``factory(ctx: GroupContext) -> CollectiveBackend``, used for every listed
 registry is loud: a duplicate name is refused and a failed lookup lists the names that exist.
 Registration is per process: register in every rank (and in the driver that validates the
 backend string) before forming a group that uses it.
+
+:func:`backend_config` is ``BackendConfig`` as groups are formed with it: ``"gloo"`` there
+names raycoll's own CPU path (``"objstore"``), so that torch scripts run unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 from raycoll.backends import _cuda
 from raycoll.backends.base import CollectiveBackend, GroupContext
 from raycoll.errors import BackendUnavailableError
 
-__all__ = ["Backend", "BackendConfig", "Factory", "is_nccl_available"]
+__all__ = ["Backend", "BackendConfig", "Factory", "backend_config", "is_nccl_available"]
+
+logger = logging.getLogger("raycoll")
 
 Factory = Callable[[GroupContext], CollectiveBackend]
 Availability = Callable[[], Optional[str]]  # None when usable, else the reason why not
@@ -217,6 +223,38 @@ def _parse(backend: str) -> Dict[str, str]:
                              f"(it serves {sorted(impls)})")
         mapping[device] = name
     return mapping
+
+
+#: torch's name for its CPU backend names raycoll's own CPU path here: "objstore" (CPU
+#: tensors, and CUDA tensors staged through host memory, as gloo takes them).
+GLOO, GLOO_AS = "gloo", "objstore"
+_gloo_logged = False
+
+
+def _alias(name: str) -> str:
+    return GLOO_AS if name.strip() == GLOO else name.strip()
+
+
+def backend_config(backend: Any) -> BackendConfig:
+    """``BackendConfig(backend)``, where ``"gloo"`` (alone or in a ``device:name`` map such as
+    ``"cpu:gloo,cuda:nccl"``) names raycoll's ``"objstore"``, unless a backend was registered
+    under that name. Logged once per process, at INFO, on the ``raycoll`` logger."""
+    if not isinstance(backend, str) or GLOO in Backend.registered():
+        return BackendConfig(backend)
+    pairs = [part.partition(":") for part in backend.strip().lower().split(",")]
+    text = ",".join(f"{d.strip()}:{_alias(n)}" if sep else _alias(d) for d, sep, n in pairs)
+    if not any((n.strip() if sep else d.strip()) == GLOO for d, sep, n in pairs):
+        return BackendConfig(backend)
+    try:
+        config = BackendConfig(text)
+    except ValueError as exc:
+        raise ValueError(f"backend={backend!r} (read as {text!r}): {exc}") from None
+    global _gloo_logged
+    if not _gloo_logged:
+        _gloo_logged = True
+        logger.info("raycoll: backend=%r runs as %r: 'gloo' names raycoll's own CPU path "
+                    "(%r) here; no gloo is started", backend, text, GLOO_AS)
+    return config
 
 
 def _register_builtin() -> None:

@@ -20,6 +20,7 @@ import ray
 
 from raycoll import errors
 from raycoll.coordinator import CoordinatorClient
+from raycoll.options import GroupOptions, OptionsLike, or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.work import DevicePending
 
@@ -57,16 +58,9 @@ class Call:
     fp: Dict[str, Any] = field(default_factory=dict)
 
 
-_TRANSPORTS = ("auto", "lane", "tcp", "store")
-
-
-def _transport_option(options: Dict[str, Any], group_name: str) -> str:
+def _transport_option(options: GroupOptions) -> str:
     """The group option ``transport`` (``lane=False`` is the old spelling of ``"store"``)."""
-    value = options.get("transport", "auto" if options.get("lane", True) else "store")
-    if value not in _TRANSPORTS:
-        raise ValueError(f"group option transport: expected one of {_TRANSPORTS}, got "
-                         f"{value!r} (group {group_name!r})")
-    return str(value)
+    return or_default(options.transport, "auto" if options.lane else "store")
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -96,7 +90,7 @@ class GroupContext:
         client: CoordinatorClient,
         timeout_s: float,
         on_failure: Callable[[BaseException], None],
-        options: Optional[Dict[str, Any]] = None,
+        options: OptionsLike = None,
         actors: Optional[Sequence[Any]] = None,
         addresses: Optional[Sequence[Any]] = None,
         secret: Optional[bytes] = None,
@@ -109,13 +103,13 @@ class GroupContext:
         self.actors = tuple(actors) if actors is not None else (None,) * self.size
         self.client = client
         self.timeout_s = timeout_s
-        self.options = dict(options or {})
+        self.options = GroupOptions.of(options)
         self._on_failure = on_failure
         #: Each rank's direct-connection address (``None`` where it has none) and the
         #: group's secret (see raycoll.transport.tcp).
         self.addresses = tuple(addresses) if addresses is not None else (None,) * self.size
         self.secret = secret
-        self.transport = _transport_option(self.options, group_name)
+        self.transport = _transport_option(self.options)
         # The round transport (see raycoll.transport): None until the first collective that
         # can use one decides; then a RoundTransport, or False (none, on every rank).
         self._plane: Any = None

@@ -98,6 +98,7 @@ from raycoll.backends._rounds import RoundAlgorithms
 from raycoll.backends._store_steps import Payload, StoreSteps
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
 from raycoll.coordinator.logic import meta_mismatch
+from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, finalize
 from raycoll.tensors import host_view
 from raycoll.transport.base import PerPeer
@@ -133,9 +134,6 @@ STREAM_BYTES = 1 << 20
 TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
-_ALGOS = ("inline", "direct", "rs_ag")
-_PUTS = ("auto", "combined", "per_peer")
-
 
 class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
@@ -145,21 +143,15 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
 
     def __init__(self, ctx: GroupContext) -> None:
         super().__init__(ctx)
-        opts = ctx.options
-        for key, least in (("lane_bytes", 0), ("stream_bytes", 1), ("inline_bytes", 0),
-                           ("segment_bytes", 1)):
-            value = opts.get(key, least)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"group option {key}: expected an int >= {least}, got "
-                                 f"{value!r} (group {ctx.group_name!r})")
-        self.inline_bytes = int(opts.get("inline_bytes", INLINE_BYTES))
+        opts = ctx.options  # validated when the group was formed (raycoll.options)
+        self.inline_bytes = or_default(opts.inline_bytes, INLINE_BYTES)
         # Over direct connections rounds are not bounded by a channel or the caches but by
         # the cost of each round trip: larger rounds (benchmarks/BENCHMARKS.md).
         tcp = ctx.planned_transport() == "tcp"
-        self.lane_bytes = int(opts.get("lane_bytes", TCP_ROUND_BYTES if tcp else LANE_BYTES))
-        self.stream = bool(opts.get("stream", True)) and self.lane_bytes > 0
-        self.stream_bytes = int(opts.get("stream_bytes", TCP_STREAM_BYTES if tcp
-                                         else STREAM_BYTES))
+        self.lane_bytes = or_default(opts.lane_bytes, TCP_ROUND_BYTES if tcp else LANE_BYTES)
+        self.stream = opts.stream and self.lane_bytes > 0
+        self.stream_bytes = or_default(opts.stream_bytes, TCP_STREAM_BYTES if tcp
+                                       else STREAM_BYTES)
         # The most a rank sends in one lane round. Ranks that fit the node's cores wait for
         # each other spinning, so rounds are cheap, and rounds of at most ``stream_bytes`` per
         # destination keep their data in the caches between the writer's copy and the
@@ -178,19 +170,11 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
         self.reduce_round_bytes = (min(self.round_bytes, self.stream_bytes) if self.stream
                                    else self.round_bytes)
         self._scratch_buf: Optional[np.ndarray] = None
-        self.direct_bytes = int(opts.get("direct_bytes", DIRECT_BYTES))
-        self.direct_max_ranks = int(opts.get("direct_max_ranks", DIRECT_MAX_RANKS))
-        self.segment_bytes = int(opts.get("segment_bytes", SEGMENT_BYTES))
-        algo = opts.get("all_reduce_algo")
-        if algo is not None and algo not in _ALGOS:
-            raise ValueError(f"group option all_reduce_algo: expected one of {_ALGOS} or None, "
-                             f"got {algo!r} (group {ctx.group_name!r})")
-        put = opts.get("put", "auto")
-        if put not in _PUTS:
-            raise ValueError(f"group option put: expected one of {_PUTS}, got {put!r} "
-                             f"(group {ctx.group_name!r})")
-        self.algo: Optional[str] = algo
-        self.combined = put == "combined" or (put == "auto" and ctx.single_node)
+        self.direct_bytes = or_default(opts.direct_bytes, DIRECT_BYTES)
+        self.direct_max_ranks = or_default(opts.direct_max_ranks, DIRECT_MAX_RANKS)
+        self.segment_bytes = or_default(opts.segment_bytes, SEGMENT_BYTES)
+        self.algo: Optional[str] = opts.all_reduce_algo
+        self.combined = opts.put == "combined" or (opts.put == "auto" and ctx.single_node)
 
     # ------------------------------------------------------------------ one step, either way
     def _reduce_scatter_step(self, pieces: Sequence[np.ndarray], out: np.ndarray, op: ReduceOp,

@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import ray
 
+from raycoll.options import GroupOptions, or_default
 from raycoll.transport.base import RoundTransport, report_period_s
 from raycoll.transport.frames import decode_frame, encode_round
 
@@ -110,9 +111,9 @@ FRAME_MAX_BYTES = 64 << 10
 LANE_BYTES = 4 << 20
 
 
-def lane_bytes(options: Dict[str, Any]) -> int:
+def lane_bytes(options: GroupOptions) -> int:
     """The group's ``lane_bytes`` option: the most a rank sends in one round."""
-    return int(options.get("lane_bytes", LANE_BYTES))
+    return or_default(options.lane_bytes, LANE_BYTES)
 
 
 def lane_report_s() -> float:
@@ -136,9 +137,9 @@ def oversubscribed(size: int) -> bool:
 def lane_possible(ctx: "GroupContext") -> bool:
     """Whether group ``ctx`` can use a lane: 2+ ranks, all actors, all on this node, this
     process being the rank's actor, and the group option ``lane`` not switched off."""
-    if ctx.size < 2 or not ctx.options.get("lane", True) or not ctx.single_node:
+    if ctx.size < 2 or not ctx.options.lane or not ctx.single_node:
         return False
-    if ctx.size > int(ctx.options.get("lane_max_ranks", 2 * node_cores())):
+    if ctx.size > or_default(ctx.options.lane_max_ranks, 2 * node_cores()):
         return False  # polling W - 1 channels on each of W oversubscribed ranks loses
     if any(a is None for a in ctx.actors):
         return False
@@ -221,7 +222,7 @@ class LaneTransport(RoundTransport):
             channel.ensure_registered_as_reader()
         crowded = oversubscribed(ctx.size)
         self.spin_s = 0.0 if crowded else SPIN_S
-        self.yield_s = float(ctx.options.get("lane_yield_s", YIELD_S)) if crowded else 0.0
+        self.yield_s = float(or_default(ctx.options.lane_yield_s, YIELD_S)) if crowded else 0.0
         self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S
         self._framed: Optional[Tuple[Any, Any]] = None  # (message, what is written for it)
 

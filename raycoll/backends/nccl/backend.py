@@ -38,7 +38,7 @@ class NcclBackend(CollectiveBackend):
         self.nccl = _cuda.nccl_module()
         self.cp = _cuda.cupy_module()
         self.version = int(self.nccl.get_version())
-        option = ctx.options.get("nccl_blocking_wait")
+        option = ctx.options.nccl_blocking_wait
         env = os.environ.get(BLOCKING_ENV, "").lower() in ("1", "true", "yes")
         self.blocking = bool(option) if option is not None else env
         self._states: Dict[int, DeviceState] = {}

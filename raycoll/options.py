@@ -1,0 +1,174 @@
+"""Group options: the knobs of ``create_group(..., options=...)``, typed, frozen, validated.
+
+Users pass a dict (or a :class:`GroupOptions`); :meth:`GroupOptions.of` turns it into the
+frozen options once, where the group is formed, so that a misspelt key or a bad value is
+refused there, naming the option, instead of being ignored or failing at the first
+collective. The layers below read attributes (``options.lane_bytes``). An option left at
+``None`` takes the default of the layer that reads it, which may depend on the group (for
+example ``lane_bytes`` is larger for groups on direct connections); :func:`or_default` reads
+it so.
+
+This module imports nothing of raycoll: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
+
+__all__ = ["GroupOptions", "OptionsLike", "or_default", "TRANSPORTS", "ALL_REDUCE_ALGOS", "PUTS"]
+
+#: The values of the option ``transport``.
+TRANSPORTS = ("auto", "lane", "tcp", "store")
+#: The values of the option ``all_reduce_algo`` (``None``: chosen per call).
+ALL_REDUCE_ALGOS = ("inline", "direct", "rs_ag")
+#: The values of the option ``put``.
+PUTS = ("auto", "combined", "per_peer")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """The options of a group formed by ``create_group(..., options=...)``.
+
+    ``options`` may be a dict of these names or a ``GroupOptions``; an unknown name, or a
+    value of the wrong type or out of range, raises ``ValueError`` naming the option. Every
+    rank of a group reads the same options, so they decide alike.
+
+    Transports (see :mod:`raycoll.transport`):
+
+    - ``transport``: ``"auto"``, ``"lane"``, ``"tcp"`` or ``"store"`` (``None``: ``"auto"``,
+      or ``"store"`` when ``lane=False``);
+    - ``lane``: ``False`` keeps the group off the shared-memory lane (the older spelling of
+      ``transport="store"``);
+    - ``lane_bytes``: int >= 0, the most a rank sends in one round (``None``: 4 MiB, 16 MiB on
+      direct connections); each rank's lane channel is allocated at this size;
+    - ``lane_max_ranks``: int >= 0, no lane for groups larger than this (``None``: twice the
+      node's cores);
+    - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
+      sleep (``None``: 2 ms).
+
+    The CPU algorithms (:mod:`raycoll.backends.objstore`), mostly to force a choice when
+    measuring:
+
+    - ``stream``: ``False`` sends large collectives through the object store even where the
+      group has a lane;
+    - ``stream_bytes``: int >= 1, the most a rank sends each peer in one streamed round
+      (``None``: 1 MiB, 4 MiB on direct connections);
+    - ``inline_bytes``: int >= 0, steps up to this size travel inside the coordinator call
+      (``None``: 96 KiB);
+    - ``direct_bytes``: int >= 0, and ``direct_max_ranks``: int >= 0, the reach of the
+      one-step ``all_reduce`` on one node (``None``: 1 MiB and 4 ranks);
+    - ``segment_bytes``: int >= 1, arrays are put as segments of at most this size
+      (``None``: 8 MiB);
+    - ``all_reduce_algo``: ``"inline"``, ``"direct"``, ``"rs_ag"``, or ``None`` (chosen per
+      call);
+    - ``put``: ``"auto"``, ``"combined"`` or ``"per_peer"``.
+
+    GPU (:mod:`raycoll.backends.nccl`):
+
+    - ``nccl_blocking_wait``: ``True`` makes waits block the host, like
+      ``TORCH_NCCL_BLOCKING_WAIT`` (``None``: the environment's ``RAYCOLL_NCCL_BLOCKING_WAIT``).
+    """
+
+    transport: Optional[str] = None
+    lane: bool = True
+    lane_bytes: Optional[int] = None
+    lane_max_ranks: Optional[int] = None
+    lane_yield_s: Optional[float] = None
+    stream: bool = True
+    stream_bytes: Optional[int] = None
+    inline_bytes: Optional[int] = None
+    direct_bytes: Optional[int] = None
+    direct_max_ranks: Optional[int] = None
+    segment_bytes: Optional[int] = None
+    all_reduce_algo: Optional[str] = None
+    put: str = "auto"
+    nccl_blocking_wait: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name, (check, expected) in _RULES.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise ValueError(f"group option {name}: expected {expected}, got {value!r}")
+
+    @classmethod
+    def of(cls, options: "OptionsLike") -> "GroupOptions":
+        """``options`` as a ``GroupOptions``: ``None`` gives the defaults, a
+        ``GroupOptions`` is returned as it is, a dict is checked key by key (an unknown key
+        raises ``ValueError`` naming it, its close matches and the valid keys)."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError("options must be a dict of group options or a GroupOptions, got "
+                            f"{type(options).__name__}")
+        for key in options:
+            if key not in _NAMES:
+                raise ValueError(_unknown(key))
+        return cls(**dict(options))
+
+
+OptionsLike = Union[GroupOptions, Mapping[str, Any], None]
+
+
+def or_default(value: Optional[T], default: T) -> T:
+    """An option's value, or ``default`` where it was left at ``None``."""
+    return default if value is None else value
+
+
+def _unknown(key: Any) -> str:
+    close = difflib.get_close_matches(str(key), _NAMES, n=3)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    return f"unknown group option {key!r}{hint}; the group options are: {', '.join(_NAMES)}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(least: int) -> Tuple[Callable[[Any], bool], str]:
+    return (lambda v: v is None or (_is_int(v) and v >= least)), f"an int >= {least} or None"
+
+
+def _seconds() -> Tuple[Callable[[Any], bool], str]:
+    def ok(v: Any) -> bool:
+        return v is None or ((_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+                             and v >= 0)
+
+    return ok, "a number of seconds >= 0 or None"
+
+
+def _flag(optional: bool) -> Tuple[Callable[[Any], bool], str]:
+    return ((lambda v: isinstance(v, bool) or (optional and v is None)),
+            "True, False or None" if optional else "True or False")
+
+
+def _choice(values: Tuple[str, ...], optional: bool) -> Tuple[Callable[[Any], bool], str]:
+    def ok(v: Any) -> bool:
+        return (optional and v is None) or (isinstance(v, str) and v in values)
+
+    return ok, f"one of {values}{' or None' if optional else ''}"
+
+
+_RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "transport": _choice(TRANSPORTS, optional=True),
+    "lane": _flag(optional=False),
+    "lane_bytes": _count(0),
+    "lane_max_ranks": _count(0),
+    "lane_yield_s": _seconds(),
+    "stream": _flag(optional=False),
+    "stream_bytes": _count(1),
+    "inline_bytes": _count(0),
+    "direct_bytes": _count(0),
+    "direct_max_ranks": _count(0),
+    "segment_bytes": _count(1),
+    "all_reduce_algo": _choice(ALL_REDUCE_ALGOS, optional=True),
+    "put": _choice(PUTS, optional=False),
+    "nccl_blocking_wait": _flag(optional=True),
+}
+_NAMES = tuple(f.name for f in fields(GroupOptions))

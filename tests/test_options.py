@@ -1,0 +1,138 @@
+"""Group options (:mod:`raycoll.options`): built once from the user's dict, frozen, validated;
+unknown names and bad values are refused by ``create_group`` before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+from raycoll import options as options_module
+from raycoll.backends.base import _transport_option
+from raycoll.group import world
+from raycoll.options import GroupOptions, or_default
+
+
+# ---------------------------------------------------------------------- pure
+def test_every_option_has_a_rule_and_the_defaults_pass_it():
+    names = [f.name for f in dataclasses.fields(GroupOptions)]
+    assert sorted(options_module._RULES) == sorted(names)
+    assert GroupOptions.of(None) == GroupOptions() == GroupOptions.of({})
+
+
+def test_a_group_options_is_taken_as_it_is_and_a_dict_becomes_one():
+    given = GroupOptions(lane_bytes=4096, stream=False)
+    assert GroupOptions.of(given) is given
+    assert GroupOptions.of({"lane_bytes": 4096, "stream": False}) == given
+
+
+def test_options_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GroupOptions().lane_bytes = 1  # type: ignore[misc]
+
+
+def test_an_unknown_key_names_it_its_close_matches_and_the_valid_keys():
+    with pytest.raises(ValueError) as info:
+        GroupOptions.of({"lane_bytse": 4096})
+    text = str(info.value)
+    assert "unknown group option 'lane_bytse'" in text
+    assert "did you mean 'lane_bytes'" in text
+    for name in ("transport", "stream_bytes", "nccl_blocking_wait"):
+        assert name in text.split("the group options are:")[1]
+
+
+def test_an_unknown_key_without_a_close_match_lists_the_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown group option 'by_name'; the group options "
+                                         r"are: transport, lane, "):
+        GroupOptions.of({"by_name": True})
+
+
+def test_options_that_are_not_a_mapping_are_refused():
+    with pytest.raises(TypeError, match="options must be a dict of group options or a "
+                                        "GroupOptions, got list"):
+        GroupOptions.of([("lane", False)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("transport", "udp"), ("transport", 1), ("lane", 0), ("lane", None), ("lane_bytes", -1),
+    ("lane_bytes", "4M"), ("lane_bytes", True), ("lane_bytes", 4096.0), ("lane_max_ranks", -1),
+    ("lane_yield_s", -0.5), ("lane_yield_s", float("nan")), ("lane_yield_s", "1"),
+    ("stream", "yes"), ("stream_bytes", 0), ("inline_bytes", -1), ("direct_bytes", 1.5),
+    ("direct_max_ranks", False), ("segment_bytes", 0), ("all_reduce_algo", "ring"),
+    ("put", None), ("put", "sometimes"), ("nccl_blocking_wait", 1),
+])
+def test_a_bad_value_names_the_option_what_was_expected_and_what_came(name: str, value: Any):
+    with pytest.raises(ValueError, match=rf"group option {name}: expected .*, got {re.escape(repr(value))}$"):
+        GroupOptions.of({name: value})
+    with pytest.raises(ValueError, match=rf"group option {name}: "):
+        GroupOptions(**{name: value})
+
+
+@pytest.mark.parametrize("name,value", [
+    ("transport", "tcp"), ("lane", False), ("lane_bytes", 0), ("lane_max_ranks", 0),
+    ("lane_yield_s", 0), ("lane_yield_s", 0.25), ("stream", False), ("stream_bytes", 1),
+    ("inline_bytes", 0), ("direct_bytes", 0), ("direct_max_ranks", 8), ("segment_bytes", 1),
+    ("all_reduce_algo", "rs_ag"), ("put", "per_peer"), ("nccl_blocking_wait", False),
+])
+def test_values_at_the_edge_of_their_range_are_taken(name: str, value: Any):
+    assert getattr(GroupOptions.of({name: value}), name) == value
+
+
+def test_or_default_keeps_a_given_zero_and_fills_none():
+    assert or_default(0, 5) == 0 and or_default(None, 5) == 5 and or_default(False, True) is False
+
+
+def test_the_transport_option_and_its_older_spelling():
+    assert _transport_option(GroupOptions()) == "auto"
+    assert _transport_option(GroupOptions(lane=False)) == "store"
+    assert _transport_option(GroupOptions(lane=False, transport="tcp")) == "tcp"
+
+
+# ---------------------------------------------------------------------- on Ray
+def _form(team: List[Any], options: Any, name: str = "") -> List[Dict[str, Any]]:
+    name = name or f"opts-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(team, group_name=name, options=options, timeout=60)
+    try:
+        return ray.get([a.run.remote(_seen, r, (name,), {}) for r, a in enumerate(team)],
+                       timeout=120)
+    finally:
+        raycoll.destroy_group(name)
+
+
+def _seen(rank: int, name: str) -> Dict[str, Any]:
+    x = np.full(4, float(rank + 1))
+    raycoll.all_reduce(x, group=name)
+    pg = world().groups[name]
+    return {"sum": x.tolist(), "options": pg.context.options, "transport": pg.transport_name,
+            "lane_active": pg.lane_active, "nodes": len(pg.node_ids),
+            "client": pg.client is pg.context.client}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("given", [{"transport": "store", "inline_bytes": 0},
+                                   GroupOptions(transport="store", inline_bytes=0)],
+                         ids=["dict", "GroupOptions"])
+def test_a_dict_and_a_group_options_both_reach_every_rank(rank_actors: List[Any], given: Any):
+    for got in _form(rank_actors[:2], given):
+        assert got["sum"] == [3.0] * 4
+        assert got["options"] == GroupOptions(transport="store", inline_bytes=0)
+        assert got["transport"] == "store" and got["lane_active"] is False
+        assert got["nodes"] == 2 and got["client"] is True
+
+
+@pytest.mark.timeout(120)
+def test_create_group_refuses_an_unknown_option_before_anything_starts(rank_actors: List[Any]):
+    name = f"opts-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
+        raycoll.create_group(rank_actors[:2], group_name=name, options={"strem": False})
+    with pytest.raises(ValueError, match=r"group option lane_bytes: expected an int >= 0"):
+        raycoll.create_group(rank_actors[:2], group_name=name, options={"lane_bytes": -4})
+    # nothing was left behind: the name forms at once, on the lane by default
+    got = _form(rank_actors[:2], None, name)
+    assert [g["transport"] for g in got] == ["lane", "lane"]
