@@ -16,7 +16,6 @@ travel as contiguous copies; results are copied back before the work completes.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -25,12 +24,13 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-import raycoll
+from raycoll import collectives as rc
 from raycoll import errors
 from raycoll._torch_names import GroupNames
 from raycoll._torch_rendezvous import _default_group, _install_rendezvous, _rank_and_size
 from raycoll.group import ProcessGroup as RaycollGroup
-from raycoll.reduce_op import as_reduce_op
+from raycoll.process_groups import destroy_process_group, new_group
+from raycoll.reduce_op import ReduceOp, as_reduce_op
 from raycoll.work import future_error
 
 __all__ = ["RaycollProcessGroup", "RaycollWork", "register", "create_backend"]
@@ -59,7 +59,7 @@ def create_backend(common: Any, backend_options: Any) -> "RaycollProcessGroup":
 
     # torch's default timeout means none was given: the subgroup keeps the raycoll group's
     timeout = None if common.timeout == default_pg_timeout else common.timeout
-    sub = raycoll.new_group(ranks, timeout=timeout)
+    sub = new_group(ranks, timeout=timeout)
     if not isinstance(sub, RaycollGroup):  # torch only asks members
         raise ValueError(f"this rank is not in new_group(ranks={ranks})")
     return RaycollProcessGroup(sub, owned=True)
@@ -110,7 +110,7 @@ class _Stage:
                 t.copy_(staged)
 
 
-def _reduce_op(opts: Any) -> raycoll.ReduceOp:
+def _reduce_op(opts: Any) -> ReduceOp:
     """raycoll's op for torch's ``opts.reduceOp``: every torch op, PREMUL_SUM with its factor
     too (FSDP2's ``set_gradient_divide_factor``; gloo refuses it)."""
     return as_reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
@@ -256,7 +256,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         (the rank's launcher owns it)."""
         if self._owned:
             try:
-                raycoll.destroy_process_group(self._rc)
+                destroy_process_group(self._rc)
             except errors.RaycollError:
                 pass
 
@@ -284,7 +284,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         op, stage = _reduce_op(opts), _Stage()
         x = stage.out(t, reduce=True)
         return self._launch(opts, [t], stage.finish,
-                            lambda a: raycoll.all_reduce(x, op=op, group=self._rc, async_op=a))
+                            lambda a: rc.all_reduce(x, op=op, group=self._rc, async_op=a))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         if not tensors:
@@ -303,14 +303,14 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
 
-        return self._launch(opts, list(tensors), finish, lambda a: raycoll.all_reduce(
+        return self._launch(opts, list(tensors), finish, lambda a: rc.all_reduce(
             flat, op=op, group=self._rc, async_op=a))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         t = _one(tensors, "reduce")
         op, stage, root = _reduce_op(opts), _Stage(), _root(opts)
         x = stage.out(t, reduce=True)
-        return self._launch(opts, [t], stage.finish, lambda a: raycoll.reduce(
+        return self._launch(opts, [t], stage.finish, lambda a: rc.reduce(
             x, op=op, group=self._rc, async_op=a, group_dst=root))
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor],
@@ -319,14 +319,14 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         op, stage = _reduce_op(opts), _Stage()
         o = stage.out(out, reduce=True)
         i = [stage.inp(t, reduce=True) for t in ins]
-        return self._launch(opts, [out], stage.finish, lambda a: raycoll.reduce_scatter(
+        return self._launch(opts, [out], stage.finish, lambda a: rc.reduce_scatter(
             o, i, op=op, group=self._rc, async_op=a))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> RaycollWork:
         op, stage = _reduce_op(opts), _Stage()
         o, i = stage.out(output, reduce=True), stage.inp(input, reduce=True)
-        return self._launch(opts, [output], stage.finish, lambda a: raycoll.reduce_scatter_tensor(
+        return self._launch(opts, [output], stage.finish, lambda a: rc.reduce_scatter_tensor(
             o, i, op=op, group=self._rc, async_op=a))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -343,7 +343,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         t = _one(tensors, "broadcast")
         stage, root = _Stage(), _root(opts)
         x = stage.out(t) if self._rc.rank() != root else stage.inp(t)
-        return self._launch(opts, [t], stage.finish, lambda a: raycoll.broadcast(
+        return self._launch(opts, [t], stage.finish, lambda a: rc.broadcast(
             x, group=self._rc, async_op=a, group_src=root))
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
@@ -351,7 +351,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         outs, t = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
         stage = _Stage()
         o, i = [stage.out(x) for x in outs], stage.inp(t)
-        return self._launch(opts, list(outs), stage.finish, lambda a: raycoll.all_gather(
+        return self._launch(opts, list(outs), stage.finish, lambda a: rc.all_gather(
             o, i, group=self._rc, async_op=a))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
@@ -368,7 +368,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
                           opts: Any = None) -> RaycollWork:
         stage = _Stage()
         o, i = stage.out(output), stage.inp(input)
-        return self._launch(opts, [output], stage.finish, lambda a: raycoll.all_gather_into_tensor(
+        return self._launch(opts, [output], stage.finish, lambda a: rc.all_gather_into_tensor(
             o, i, group=self._rc, async_op=a))
 
     _allgather_base = all_gather_single
@@ -392,7 +392,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         outs = list(output_tensors[0]) if self._rc.rank() == root and output_tensors else None
         o = [stage.out(x) for x in outs] if outs is not None else None
         i = stage.inp(t)
-        return self._launch(opts, outs or [], stage.finish, lambda a: raycoll.gather(
+        return self._launch(opts, outs or [], stage.finish, lambda a: rc.gather(
             i, o, group=self._rc, async_op=a, group_dst=root))
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
@@ -401,14 +401,14 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         ins = list(input_tensors[0]) if self._rc.rank() == root and input_tensors else None
         i = [stage.inp(x) for x in ins] if ins is not None else None
         o = stage.out(t)
-        return self._launch(opts, [t], stage.finish, lambda a: raycoll.scatter(
+        return self._launch(opts, [t], stage.finish, lambda a: rc.scatter(
             o, i, group=self._rc, async_op=a, group_src=root))
 
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts: Any = None) -> RaycollWork:
         stage = _Stage()
         o, i = [stage.out(x) for x in output_tensors], [stage.inp(x) for x in input_tensors]
-        return self._launch(opts, list(output_tensors), stage.finish, lambda a: raycoll.all_to_all(
+        return self._launch(opts, list(output_tensors), stage.finish, lambda a: rc.all_to_all(
             o, i, group=self._rc, async_op=a))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -418,7 +418,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         o, i = stage.out(output), stage.inp(input)
         outs = [int(s) for s in output_split_sizes] or None
         ins = [int(s) for s in input_split_sizes] or None
-        return self._launch(opts, [output], stage.finish, lambda a: raycoll.all_to_all_single(
+        return self._launch(opts, [output], stage.finish, lambda a: rc.all_to_all_single(
             o, i, outs, ins, group=self._rc, async_op=a))
 
     alltoall_base = all_to_all_single
@@ -427,13 +427,13 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> RaycollWork:
         t = _one(tensors, "send")
         x = _Stage().inp(t)
-        return RaycollWork([raycoll.isend(x, group=self._rc, tag=int(tag), group_dst=int(dst))],
+        return RaycollWork([rc.isend(x, group=self._rc, tag=int(tag), group_dst=int(dst))],
                            [t])
 
     def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> RaycollWork:
         stage = _Stage()
         x = stage.out(t)
-        work = raycoll.irecv(x, group=self._rc, tag=int(tag), group_src=src)
+        work = rc.irecv(x, group=self._rc, tag=int(tag), group_src=src)
         return RaycollWork([work], [t], stage.finish, source=self._rc.global_ranks.index)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> RaycollWork:
@@ -444,16 +444,9 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
 
     # -- synchronization
     def barrier(self, opts: Any = None) -> RaycollWork:
-        return self._launch(opts, [], None, lambda a: raycoll.barrier(group=self._rc, async_op=a))
+        return self._launch(opts, [], None, lambda a: rc.barrier(group=self._rc, async_op=a))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """raycoll's monitored barrier (torch's frontend only lets gloo groups call it; call
         ``group.monitored_barrier(...)`` on this group directly)."""
-        raycoll.monitored_barrier(group=self._rc, timeout=timeout, wait_all_ranks=wait_all_ranks)
-
-
-# Imported before torch (``import raycoll._torch_pg`` first), this module's ``import torch``
-# ran torch_backend's post-import hook while the module was half-defined: register now.
-from raycoll import torch_backend as _torch_backend  # noqa: E402 - needs the names above
-
-_torch_backend._register_with(sys.modules[__name__], dist)
+        rc.monitored_barrier(group=self._rc, timeout=timeout, wait_all_ranks=wait_all_ranks)

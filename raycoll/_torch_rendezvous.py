@@ -259,10 +259,3 @@ def _install_rendezvous() -> None:
 
     env_or_raycoll._raycoll = True  # type: ignore[attr-defined]
     handlers["env"] = env_or_raycoll
-
-
-# Imported before torch (``import raycoll._torch_rendezvous`` first), this module's ``import
-# torch`` ran torch_backend's post-import hook while the module was half-defined: register now.
-from raycoll import torch_backend as _torch_backend  # noqa: E402 - needs the names above
-
-_torch_backend._register(defined=(__name__,))

@@ -44,7 +44,9 @@ BACKEND_NAME = "raycoll"
 
 _lock = threading.Lock()
 _registered = False
-#: raycoll's modules that import torch; each registers the backend once it is defined
+#: raycoll's modules that import torch. Imported before torch, one's own ``import torch``
+#: runs the hook while it is half-defined: the hook registers once it is (see
+#: ``_TorchImportHook``), so none of them imports this module back.
 _TORCH_MODULES = ("raycoll._torch_pg", "raycoll._torch_rendezvous")
 
 
@@ -90,10 +92,10 @@ def is_registered() -> bool:
     return _registered
 
 
-def _register_quietly() -> None:
+def _register_quietly(defined: Sequence[str] = ()) -> None:
     """Register, logging instead of raising: this runs inside someone's ``import torch``."""
     try:
-        register()
+        _register(defined)
     except Exception:  # noqa: BLE001 - never break the user's import of torch
         logger.warning("raycoll could not register its torch.distributed backend",
                        exc_info=True)
@@ -105,7 +107,8 @@ def _fully_imported(module: Any) -> bool:
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):
-    """Wraps torch's own loader: executes ``torch`` as usual, then registers the backend."""
+    """Wraps the loader of ``torch`` or of one of ``_TORCH_MODULES``: executes the module as
+    usual, then registers the backend (counting that module as defined)."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
@@ -115,21 +118,23 @@ class _RegisterAfterLoad(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        _register_quietly()
+        name = module.__name__
+        _register_quietly(defined=(name,) if name in _TORCH_MODULES else ())
 
     def __getattr__(self, name: str) -> Any:  # resource readers, get_data, ...
         return getattr(self._loader, name)
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` finder that only acts on the top-level ``torch`` import: it asks
-    the other finders for torch's spec and wraps its loader (a spec found without importing,
-    e.g. by ``importlib.util.find_spec``, is harmless). It stays in place afterwards
-    (removing a finder while importlib iterates the list would skip the next one)."""
+    """A ``sys.meta_path`` finder that only acts on the top-level ``torch`` import and on
+    ``_TORCH_MODULES``: it asks the other finders for the spec and wraps its loader (a spec
+    found without importing, e.g. by ``importlib.util.find_spec``, is harmless). It stays in
+    place afterwards (removing a finder while importlib iterates the list would skip the next
+    one)."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != "torch" or _registered:
+        if _registered or (fullname != "torch" and fullname not in _TORCH_MODULES):
             return None
         for finder in list(sys.meta_path):
             if finder is self or not hasattr(finder, "find_spec"):
