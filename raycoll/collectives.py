@@ -50,16 +50,17 @@ def _resolve(group: GroupLike, op: str) -> Optional[ProcessGroup]:
 
 def _run(op: str, group: GroupLike, async_op: bool, prepare: Callable[[ProcessGroup], Prepared],
          outputs: Optional[List[Any]] = None) -> Optional[Work]:
-    pg = _resolve(group, op)
+    pg = _resolve(group, op)  # checks that the group is usable: once per call
     if pg is None:
         return None
-    call = pg.new_call(op)
+    seq = pg.take_seq()
     try:
         fp, fn = prepare(pg)
     except _REJECTED as exc:
-        pg.reject(call, exc)
+        pg.reject(Call(op, seq, pg.timeout_s, {"op": op}), exc)
         raise
-    call = pg.with_fingerprint(call, **fp)
+    fp["op"] = op
+    call = Call(op, seq, pg.timeout_s, fp)
     return pg.run(call, lambda: fn(call), async_op, outputs)
 
 

@@ -305,13 +305,16 @@ class ProcessGroup:
                 "it and form it again", group=self._name, rank=self.global_ranks[self._rank],
             ) from self._broken
 
+    def take_seq(self) -> int:
+        """The next collective's sequence number (the caller checked the group is usable)."""
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
     def new_call(self, op: str) -> Call:
         """Take the next sequence number for collective ``op`` (fingerprint set later)."""
         self.check_usable()
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-        return Call(op, seq, self._timeout_s, {"op": op})
+        return Call(op, self.take_seq(), self._timeout_s, {"op": op})
 
     def with_fingerprint(self, call: Call, **fp: Any) -> Call:
         """``call`` with its fingerprint (compared across ranks) set to ``fp``."""
@@ -332,8 +335,8 @@ class ProcessGroup:
         if self._stream_ordered(call):
             return self._run_on_stream(call, fn, async_op, outputs, nbytes)
         if not async_op:
-            if not self.outstanding():
-                self._execute(call, fn, nbytes)
+            if not self.outstanding():  # the caller checked the group just now
+                self._execute(call, fn, nbytes, checked=True)
             else:
                 self._submit(call, fn, nbytes).result()
             return None
@@ -448,11 +451,12 @@ class ProcessGroup:
             self._outstanding -= 1
 
     def _execute(self, call: Call, fn: Callable[[], Any], nbytes: Optional[int] = None,
-                 waited: Optional[threading.Event] = None) -> Any:
+                 waited: Optional[threading.Event] = None, checked: bool = False) -> Any:
         if waited is not None:
             with overlapping(waited):
                 return self._execute(call, fn, nbytes)
-        self.check_usable()
+        if not checked:  # queued: the group may have broken meanwhile
+            self.check_usable()
         fn = self._guarded(call, fn)
         if self._debug:
             return self._execute_traced(call, fn, nbytes)

@@ -2,8 +2,8 @@
 the coordinator.
 
 A collective through the coordinator costs at least one Ray actor call per rank and an async
-actor waking up for every arrival (measured ~2.5-3 ms for two ranks on the reference 2-core
-machine, four times an actor round trip). When all ranks of a group are actors on one node,
+actor waking up for every arrival (several actor round trips: benchmarks/BENCHMARKS.md).
+When all ranks of a group are actors on one node,
 each rank instead owns one Ray shared-memory channel (``ray.experimental.channel.Channel``,
 the mutable plasma objects that Ray's compiled graphs use), written by it and read by every
 peer. A collective is then one *round* or more: in each, every rank writes one message (at
@@ -12,9 +12,9 @@ collective is one round: every rank gets every rank's contribution and computes 
 result locally (reductions in rank order, so every rank holds bitwise the same result). A
 larger one streams through several rounds (the backend cuts them: see
 raycoll.backends.objstore), reading the peers' parts in place (``views=True``) and dropping
-them before its next round. Measured on the reference machine, 2 ranks: all_reduce of 4 B
-~0.15 ms (an actor round trip costs ~0.7-1 ms), of 1 MiB ~0.3 ms, of 64 MiB ~10-14 ms in
-1 MiB rounds (through the object store: 33-44 ms).
+them before its next round. A small message (``FRAME_MAX_BYTES``) is written as one frame
+of bytes in the direct transport's framing (raycoll.transport.frames), which costs a
+fraction of Ray's serializer; a larger one through Ray's serializer, its arrays read in place.
 
 Each message is ``(kind, epoch, (seq, round), fingerprint, payload)``. ``kind`` is ``"msg"``
 or, from a rank that rejected its own arguments, ``"reject"`` (its peers raise
@@ -99,9 +99,9 @@ POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
 _TIMEOUT = ray.exceptions.RayChannelTimeoutError
 #: A message of at most this many bytes is written as one frame of bytes (the direct
-#: transport's framing, raycoll.transport.frames): Ray's serializer costs several times as much
-#: per small message. Larger ones go through Ray's serializer, whose arrays peers read in
-#: place in the writer's channel.
+#: transport's framing, raycoll.transport.frames): Ray's serializer costs several times as
+#: much per small message (benchmarks/BENCHMARKS.md). Larger ones go through Ray's
+#: serializer, whose arrays peers read in place in the writer's channel.
 FRAME_MAX_BYTES = 64 << 10
 
 #: The most one rank sends in one round of a collective on a round transport (group option
