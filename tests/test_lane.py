@@ -404,3 +404,30 @@ def test_only_waits_inside_an_unwaited_overlapping_operation_are_kept_from_spinn
         other.join()
         assert seen == [True]  # per thread: only the worker running the operation
     assert may_spin()
+
+
+def _on_one_core(rank: int, calls: int) -> Dict[str, Any]:
+    import os
+
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})  # both ranks on one core: a spin never helps
+    try:
+        x = np.ones(1, dtype=np.float32)
+        for _ in range(calls):
+            raycoll.all_reduce(x)
+            x[:] = 1.0
+        raycoll.all_reduce(x)
+        plane = world().resolve(None).context._plane
+        return {"sum": float(x[0]), "calls": plane.calls, "spun_out": plane.spins_failed}
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_sharing_a_core_stop_spinning_for_each_other(actors):
+    """Two lane ranks the scheduler put on one core: a spinning rank only delays its peer by
+    the whole spin. Spinning backs off after a spin runs out, so only a handful of the 300
+    collectives spin in vain (without the back-off, nearly every one would)."""
+    for res in _on(actors[:2], _on_one_core, args=(300,)):
+        assert res["sum"] == 2.0 and res["calls"] >= 300, res
+        assert res["spun_out"] <= 12, res

@@ -35,9 +35,11 @@ there, before any data moved; a call's timeout covers all its rounds):
 - **group_status**: ranks tell the coordinator their lane progress at most every 0.1 s
   (``Coordinator.lane_progress``, one fire-and-forget call), and group_status waits that long.
 
-Waiting: a read first spins for up to 1 ms when the group's ranks fit the node's cores;
-otherwise (a spinning rank would take a core from the peer it waits for) it polls yielding
-its core for up to 2 ms (``sched_yield``: a peer still working on its part runs first). Then
+Waiting: a read first spins for up to 1 ms when the group's ranks fit the node's cores
+(a spin that runs its full length backs off: for a while the rank yield-polls instead, in
+case the scheduler put its peer on its core, where spinning only delays it); otherwise (a
+spinning rank would take a core from the peer it waits for) it polls yielding its core for
+up to 2 ms (``sched_yield``: a peer still working on its part runs first). Then
 it polls with a sleep that doubles up to 0.5 ms, so a rank waiting for a slow peer uses a few
 percent of a core. An async collective nobody waits for yet (its caller computes beside it,
 as torch's DDP backward does beside its bucket all_reduces) neither spins nor yields: it
@@ -94,6 +96,11 @@ SPIN_S = 0.001
 #: yielding the core to any peer that can run (the one still working on its part), then
 #: sleep (group option ``lane_yield_s``).
 YIELD_S = 0.002
+#: A spin that runs its full length without the peer's message (the scheduler may have put
+#: the peer on this rank's core, where spinning only delays it) stops spinning for this many
+#: collectives, doubling while spins keep failing, up to ``SPIN_BACKOFF_MAX_CALLS``.
+SPIN_BACKOFF_CALLS = 16
+SPIN_BACKOFF_MAX_CALLS = 4096
 #: The polling sleep doubles from ``POLL_MIN_S`` up to ``POLL_MAX_S``.
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
@@ -221,26 +228,57 @@ class LaneTransport(RoundTransport):
         for channel in peers.values():
             channel.ensure_registered_as_reader()
         crowded = oversubscribed(ctx.size)
+        self._yield = float(or_default(ctx.options.lane_yield_s, YIELD_S))
         self.spin_s = 0.0 if crowded else SPIN_S
-        self.yield_s = float(or_default(ctx.options.lane_yield_s, YIELD_S)) if crowded else 0.0
+        self.yield_s = self._yield if crowded else 0.0
         self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S
         self._framed: Optional[Tuple[Any, Any]] = None  # (message, what is written for it)
+        # Spinning backs off when a spin runs its full length (see ``_spun_out``).
+        self._spins = not crowded
+        self._resume_at = 0  # the collective (``calls``) at which spinning resumes
+        self._backoff = SPIN_BACKOFF_CALLS
+        self._failed_at = -SPIN_BACKOFF_MAX_CALLS
+        self.spins_failed = 0
+
+    def _spun_out(self) -> None:
+        """A spin ran its full length without the peer's message. Where the scheduler put
+        the peer on this rank's core, spinning only delays it by the whole spin each round:
+        for the next ``_backoff`` collectives, wait yielding the core instead (as a crowded
+        node does), the back-off doubling while spins keep failing."""
+        if self.calls - self._failed_at > SPIN_BACKOFF_MAX_CALLS:
+            self._backoff = SPIN_BACKOFF_CALLS  # an isolated late peer: start over
+        self.spins_failed += 1
+        self._failed_at = self.calls
+        self._resume_at = self.calls + self._backoff
+        self._backoff = min(self._backoff * 2, SPIN_BACKOFF_MAX_CALLS)
+        self.spin_s, self.yield_s = 0.0, self._yield
+
+    def _spin_timeout(self, spin: bool) -> float:
+        if self._spins and not self.spin_s and self.calls >= self._resume_at:
+            self.spin_s, self.yield_s = SPIN_S, 0.0
+        return self.spin_s if spin else 0.0
 
     def _write(self, message: Any, spin: bool) -> bool:
         if self._framed is None or self._framed[0] is not message:
             frame = b"".join(encode_round(message))
             self._framed = (message, frame if len(frame) <= FRAME_MAX_BYTES else message)
+        timeout = self._spin_timeout(spin)
         try:
-            self._out.write(self._framed[1], timeout=self.spin_s if spin else 0)
+            self._out.write(self._framed[1], timeout=timeout)
             self._framed = None
             return True
         except _TIMEOUT:
+            if timeout:
+                self._spun_out()
             return False
 
     def _read(self, s: int, spin: bool) -> Any:
+        timeout = self._spin_timeout(spin)
         try:
-            message = self._in[s].read(timeout=self.spin_s if spin else 0)
+            message = self._in[s].read(timeout=timeout)
         except _TIMEOUT:
+            if timeout:
+                self._spun_out()
             return None
         if isinstance(message, BaseException):  # the channel's error bit (closed)
             raise message
