@@ -55,7 +55,7 @@ class _Progress:
         if not self.enabled:
             return
         try:
-            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
         except ImportError:
             self._bar = None
         else:
