@@ -199,7 +199,7 @@ class RaycollWork(dist.Work):
         self._future.wait()  # the copies back are done too
         return True
 
-    def get_future(self) -> torch._C.Future:
+    def get_future(self) -> torch.futures.Future:
         """torch's future (the C++ one, as gloo's), completed with the output tensors (a
         list), or with raycoll's error."""
         return self._future
@@ -231,12 +231,19 @@ class RaycollWork(dist.Work):
 
 # ---------------------------------------------------------------------- the process group
 class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
-    """A ``torch.distributed.ProcessGroup`` whose collectives run on a raycoll group."""
+    """A ``torch.distributed.ProcessGroup`` whose collectives run on a raycoll group.
+
+    torch's Python backend API calls these methods as its C++ ``ProcessGroup`` declares them
+    (tensors in lists, then an options object); torch's stubs declare the Python-facing
+    overloads instead, with other parameter names, so each override carries ``type: ignore``
+    for that.
+    """
 
     def __init__(self, group: RaycollGroup, owned: bool) -> None:
         # (rank, size): the constructor with a store makes a plain C++ group, not the
-        # Python-overridable one (pybind: "not an alias instance")
-        super().__init__(group.rank(), group.size())
+        # Python-overridable one (pybind: "not an alias instance"); torch's stubs declare
+        # only the one with a store
+        super().__init__(group.rank(), group.size())  # type: ignore[call-arg, arg-type]
         self._rc = group
         self._owned = owned  # a subgroup torch's new_group made: destroyed with it
 
@@ -279,7 +286,8 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return RaycollWork(works, outputs, finish)
 
     # -- reductions
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+    def allreduce(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         t = _one(tensors, "allreduce")
         op, stage = _reduce_op(opts), _Stage()
         x = stage.out(t, reduce=True)
@@ -306,15 +314,17 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return self._launch(opts, list(tensors), finish, lambda a: rc.all_reduce(
             flat, op=op, group=self._rc, async_op=a))
 
-    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+    def reduce(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         t = _one(tensors, "reduce")
         op, stage, root = _reduce_op(opts), _Stage(), _root(opts)
         x = stage.out(t, reduce=True)
         return self._launch(opts, [t], stage.finish, lambda a: rc.reduce(
             x, op=op, group=self._rc, async_op=a, group_dst=root))
 
-    def reduce_scatter(self, output_tensors: List[torch.Tensor],
-                       input_tensors: List[List[torch.Tensor]], opts: Any = None) -> RaycollWork:
+    def reduce_scatter(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+            opts: Any = None) -> RaycollWork:
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
         op, stage = _reduce_op(opts), _Stage()
         o = stage.out(out, reduce=True)
@@ -329,25 +339,28 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return self._launch(opts, [output], stage.finish, lambda a: rc.reduce_scatter_tensor(
             o, i, op=op, group=self._rc, async_op=a))
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # C++ signature
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         return self._coalesced([(self.reduce_scatter_single, (o, i)) for o, i in zip(outputs, inputs)],
                                list(outputs), opts)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    # the C++ signature (see the class docstring)
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # -- data movement
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+    def broadcast(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
         t = _one(tensors, "broadcast")
         stage, root = _Stage(), _root(opts)
         x = stage.out(t) if self._rc.rank() != root else stage.inp(t)
         return self._launch(opts, [t], stage.finish, lambda a: rc.broadcast(
             x, group=self._rc, async_op=a, group_src=root))
 
-    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
-                  opts: Any = None) -> RaycollWork:
+    def allgather(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+            opts: Any = None) -> RaycollWork:
         outs, t = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
         stage = _Stage()
         o, i = [stage.out(x) for x in outs], stage.inp(t)
@@ -378,7 +391,8 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return self._coalesced([(self.all_gather_single, (o, i)) for o, i in zip(outputs, inputs)],
                                list(outputs), opts)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    # the C++ signature (see the class docstring)
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def _coalesced(self, calls: List[Tuple[Callable[..., RaycollWork], tuple]],
                    outputs: List[torch.Tensor], opts: Any) -> RaycollWork:
@@ -386,8 +400,9 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         # the parts still running (none when they ran synchronously), waited alike
         return RaycollWork([w for w in works if w._works], outputs)
 
-    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
-               opts: Any = None) -> RaycollWork:
+    def gather(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+            opts: Any = None) -> RaycollWork:
         t, root, stage = _one(input_tensors, "gather"), _root(opts), _Stage()
         outs = list(output_tensors[0]) if self._rc.rank() == root and output_tensors else None
         o = [stage.out(x) for x in outs] if outs is not None else None
@@ -395,8 +410,9 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return self._launch(opts, outs or [], stage.finish, lambda a: rc.gather(
             i, o, group=self._rc, async_op=a, group_dst=root))
 
-    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
-                opts: Any = None) -> RaycollWork:
+    def scatter(  # type: ignore[override]  # C++ signature: see the class docstring
+            self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+            opts: Any = None) -> RaycollWork:
         t, root, stage = _one(output_tensors, "scatter"), _root(opts), _Stage()
         ins = list(input_tensors[0]) if self._rc.rank() == root and input_tensors else None
         i = [stage.inp(x) for x in ins] if ins is not None else None
@@ -421,7 +437,7 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
         return self._launch(opts, [output], stage.finish, lambda a: rc.all_to_all_single(
             o, i, outs, ins, group=self._rc, async_op=a))
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # C++ signature
 
     # -- point to point (always asynchronous: torch waits when it wants to)
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> RaycollWork:

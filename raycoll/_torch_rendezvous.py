@@ -148,13 +148,14 @@ class DeferredStore(dist.Store):
         return self._store().compare_set(key, expected, desired)
 
     def append(self, key: str, value: Any) -> None:
-        self._store().append(key, value)
+        # torch's stubs omit Store.append and Store.multi_set, which its C++ Store has
+        self._store().append(key, value)  # type: ignore[attr-defined]
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         return self._store().multi_get(keys)
 
     def multi_set(self, keys: List[str], values: List[Any]) -> None:
-        self._store().multi_set(keys, values)
+        self._store().multi_set(keys, values)  # type: ignore[attr-defined]  # see append
 
     def check(self, keys: List[str]) -> bool:
         return self._store().check(keys)

@@ -32,6 +32,8 @@ class ReduceOp:
     PREMUL_SUM: ClassVar["_PremulSum"]
 
     __slots__ = ("name", "factor")
+    name: str
+    factor: Optional[float]
 
     def __init__(self, name: Any, factor: Optional[float] = None) -> None:
         if isinstance(name, ReduceOp):  # ReduceOp(ReduceOp.SUM), as torch's constructor takes

@@ -204,6 +204,7 @@ class RoundAlgorithms:
                 got = self.ctx.gather_round(
                     call, PerPeer(a[lo:hi] if j != me else None for j, a in enumerate(src)), sub + 1,
                     views=True)
+                assert got is not None, "round 0 of this call went through the round transport"
                 for s, pieces in enumerate(got):
                     if s != me:
                         piece = pieces[me]

@@ -119,7 +119,7 @@ class GroupContext:
         if self.transport != "store" and self.size > 1:
             from raycoll.transport import tcp
 
-            if tcp.tcp_possible(self):
+            if secret is not None and tcp.tcp_possible(self):
                 self._links = tcp.Links(key=group_name, rank=rank, size=self.size,
                                         secret=secret, addresses=self.addresses,
                                         nodes=self.node_ids)

@@ -224,11 +224,12 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
                 return
             lane = (self.ctx.gather_round(call, flat) if flat.nbytes <= self.reduce_round_bytes
                     else None)
-            algo = "lane" if lane is not None else self._all_reduce_algo(flat.nbytes)
-            if algo == "lane":
+            if lane is not None:
                 np.copyto(flat, self._round_reduce(op, lane, flat))
                 del lane
-            elif algo == "inline":
+                return
+            algo = self._all_reduce_algo(flat.nbytes)
+            if algo == "inline":
                 np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
             elif algo == "direct":
                 self._direct_all_reduce(flat, op, call)
@@ -259,6 +260,7 @@ class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
             else:
                 result = self.ctx.exchange(call, 0, flat_in(arr), mode="reduce", root=dst)
             if me == dst:
+                assert result is not None, "the root holds the reduction"
                 with flat_out(arr) as flat:
                     np.copyto(flat, result)
             return

@@ -89,7 +89,7 @@ def plain_get_seconds(
     else on the driver's node, where the get is a zero-copy map of shared memory.
     """
     timeout_s = timeout.total_seconds()
-    resources: Dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    resources: Dict[str, float] = ray.cluster_resources()
     if node_resource is None:
         putter_options = _here()
     elif resources.get(node_resource, 0) <= 0:

@@ -234,7 +234,7 @@ class _RankActor:
 
     def placement(self) -> Tuple[str, str]:
         ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return ctx.get_node_id(), ray.util.get_node_ip_address()
 
     def free_port(self, host: str) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

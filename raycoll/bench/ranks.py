@@ -115,13 +115,13 @@ def _raycoll_step(op: str, count: int, dtype_name: str, rank: int, world: int,
             return wrong(dst, np.concatenate([pat(s, rank) for s in range(W)]))
         return (lambda: raycoll.all_to_all_single(dst, src, group=group)), check
     if op == "gather":
-        outs = [zeros() for _ in range(W)] if rank == 0 else None
+        gathered = [zeros() for _ in range(W)] if rank == 0 else None
 
         def check() -> int:
             x[:] = pat(rank)
-            raycoll.gather(x, outs, 0, group=group)
-            return sum(wrong(outs[s], pat(s)) for s in range(W)) if outs is not None else 0
-        return (lambda: raycoll.gather(x, outs, 0, group=group)), check
+            raycoll.gather(x, gathered, 0, group=group)
+            return sum(wrong(gathered[s], pat(s)) for s in range(W)) if gathered is not None else 0
+        return (lambda: raycoll.gather(x, gathered, 0, group=group)), check
     if op == "scatter":
         pieces = [zeros() for _ in range(W)] if rank == 0 else None
 

@@ -55,7 +55,7 @@ class _Progress:
         if not self.enabled:
             return
         try:
-            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
         except ImportError:
             self._bar = None
         else:
@@ -251,7 +251,7 @@ class _Ranks:
         results = ray.get(refs, timeout=CALL_TIMEOUT_S)
         times = [max(t) for t in zip(*(r[0] for r in results))]
         wrongs = [r[1] for r in results]
-        wrong = None if any(w is None for w in wrongs) else int(sum(wrongs))  # type: ignore[arg-type]
+        wrong = None if any(w is None for w in wrongs) else int(sum(wrongs))
         return times, wrong
 
     def _kill(self) -> None:

@@ -67,7 +67,7 @@ def _pull_arrays(obj: Any, raws: List[memoryview], depth: int = 0) -> Any:
     their memory appended to ``raws``."""
     if isinstance(obj, np.ndarray) and obj.dtype.hasobject is False:
         arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
-        raws.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b""))
+        raws.append(arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b""))
         return (_ARR, len(raws) - 1, arr.dtype.str, arr.shape)
     if depth < 3 and isinstance(obj, (tuple, list)):
         items = [_pull_arrays(v, raws, depth + 1) for v in obj]
@@ -265,9 +265,9 @@ class Scratch:
             total += -(-n // _ALIGN) * _ALIGN
         if self._buf.nbytes < total:  # a new one: views of the old may still be alive
             self._buf = np.empty(max(total, 2 * self._buf.nbytes), dtype=np.uint8)
-        view = memoryview(self._buf)
+        view = self._buf.data
         return [view[o:o + n] for o, n in zip(offsets, lens)]
 
 
 def fresh_buffers(_meta: bytes, lens: List[int]) -> List[memoryview]:
-    return [memoryview(np.empty(n, dtype=np.uint8)) for n in lens]
+    return [np.empty(n, dtype=np.uint8).data for n in lens]

@@ -148,12 +148,13 @@ def lane_possible(ctx: "GroupContext") -> bool:
         return False
     if ctx.size > or_default(ctx.options.lane_max_ranks, 2 * node_cores()):
         return False  # polling W - 1 channels on each of W oversubscribed ranks loses
-    if any(a is None for a in ctx.actors):
+    me = ctx.actors[ctx.rank]
+    if me is None or any(a is None for a in ctx.actors):
         return False
     try:
         runtime = ray.get_runtime_context()
         return (runtime.get_actor_id() is not None
-                and runtime.get_actor_id() == ctx.actors[ctx.rank]._actor_id.hex()
+                and runtime.get_actor_id() == me._actor_id.hex()
                 and runtime.get_node_id() == ctx.node_ids[ctx.rank])
     except Exception:  # noqa: BLE001 - not connected, not in an actor
         return False
@@ -168,8 +169,20 @@ _POOL_LOCK = threading.Lock()
 _POOL: Dict[Tuple[Tuple[str, ...], int], List[Any]] = {}
 
 
+def _peer_actors(ctx: "GroupContext") -> List[Tuple[Any, str]]:
+    """Every other rank's actor and node, in rank order (a group on the lane has an actor on
+    every rank: see lane_possible)."""
+    peers = []
+    for j in range(ctx.size):
+        actor = ctx.actors[j]
+        assert actor is not None, "a lane group has an actor on every rank"
+        if j != ctx.rank:
+            peers.append((actor, ctx.node_ids[j]))
+    return peers
+
+
 def _pool_key(ctx: "GroupContext") -> Tuple[Tuple[str, ...], int]:
-    readers = tuple(sorted(ctx.actors[j]._actor_id.hex() for j in range(ctx.size) if j != ctx.rank))
+    readers = tuple(sorted(actor._actor_id.hex() for actor, _node in _peer_actors(ctx)))
     return readers, _buffer_bytes(ctx)
 
 
@@ -192,8 +205,7 @@ def open_channel(ctx: "GroupContext") -> Any:
         from ray.experimental.channel.shared_memory_channel import Channel
 
         me = ray.get_runtime_context().current_actor
-        readers = [(ctx.actors[j], ctx.node_ids[j]) for j in range(ctx.size) if j != ctx.rank]
-        return Channel(me, readers, typ=key[1])
+        return Channel(me, _peer_actors(ctx), typ=key[1])
     except Exception as exc:  # noqa: BLE001 - any failure means: no lane for this group
         logger.warning("raycoll: group %r stays off the shared-memory lane: cannot open a "
                        "channel on rank %d (%s: %s)", ctx.group_name, ctx.rank,

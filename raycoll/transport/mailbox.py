@@ -3,6 +3,7 @@ see :mod:`raycoll.transport.tcp` for the whole design)."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 import time
@@ -85,7 +86,7 @@ class Mailbox:
              timeout_s: float) -> Callable[[], None]:
         data = np.ascontiguousarray(arr)
         out = self.links.outgoing(dst, "p2p", timeout_s)
-        writer = Writer(encode_raw((tag, meta), memoryview(data).cast("B")))
+        writer = Writer(encode_raw((tag, meta), data.data.cast("B")))
         with out.turn:
             ticket = out.next_ticket
             out.next_ticket += 1
@@ -234,7 +235,7 @@ class Mailbox:
                 reader = self._readers[s] = Reader()
             try:
                 while True:
-                    got = reader.pull(sock, lambda m, lens, s=s: self._place(s, m, lens))
+                    got = reader.pull(sock, functools.partial(self._place, s))
                     if got is None:
                         break
                     self._arrived(s, got)
@@ -264,7 +265,7 @@ class Mailbox:
                     self._current[src] = (tag, meta, p)
                     if meta == p.meta and p.arr.flags.c_contiguous and p.arr.flags.writeable \
                             and len(lens) == 1 and lens[0] == p.arr.nbytes:
-                        return [memoryview(p.arr).cast("B")]
+                        return [p.arr.data.cast("B")]
                     return fresh_buffers(meta_bytes, lens)
         self._current[src] = (tag, meta, None)
         return fresh_buffers(meta_bytes, lens)
@@ -280,6 +281,7 @@ class Mailbox:
                 posted = next((p for p in self._posted if not p.claimed and p.tag == tag
                                and (p.src is None or p.src == src)), None)
             if posted is None:
+                assert data is not None  # read straight into an array only for a posted receive
                 self._stash.append((src, tag, meta, data))
             else:
                 self._posted = [p for p in self._posted if p is not posted]
