@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, overload
 
 import numpy as np
 
@@ -118,6 +118,16 @@ def _reduce_op(op: Any, info: TensorInfo) -> ReduceOp:
     if dtype is not None:
         check_op_dtype(rop, dtype)
     return rop
+
+
+@overload
+def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int], name: str,
+          group_name: str) -> int: ...
+
+
+@overload
+def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int], name: str,
+          group_name: str, *, required: bool) -> Optional[int]: ...
 
 
 def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int], name: str,
@@ -494,8 +504,11 @@ def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: in
         def post() -> Any:
             return backend.recv(tensor, gp, int(tag), timeout)
     else:
+        assert gp is not None  # required for a send (checked by _peer)
+        dst = gp
+
         def post() -> Any:
-            return backend.send(tensor, gp, int(tag), timeout)
+            return backend.send(tensor, dst, int(tag), timeout)
     describe_ = f"{op} on group {pg.name!r}"
     return pg.run_p2p(post, async_op, describe_, [tensor], op=op,
                       ordered=backend.stream_ordered)

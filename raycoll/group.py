@@ -537,21 +537,21 @@ class ProcessGroup:
                 missing = list(info["missing"])
                 lasts = info.get("last", {})
             detail = "; ".join(
-                f"rank {g} last completed {lasts[g][0]} #{lasts[g][1]}" if lasts.get(g)
+                f"rank {g} last completed {last[0]} #{last[1]}" if (last := lasts.get(g))
                 else f"rank {g} completed nothing on this group" for g in missing)
         except errors.RaycollError as exc:  # the coordinator itself is gone or stuck
             detail = f"the coordinator could not say who is missing: {exc}"
         who = f"ranks {missing} had not arrived" if missing else "all ranks had arrived"
-        exc = errors.DistTimeoutError(
+        err = errors.DistTimeoutError(
             f"{call.op} #{call.seq} on group {self._name!r} did not complete within "
             f"{seconds:g}s: {who} ({detail})",
             missing=missing, op=call.op, seq=call.seq, group=self._name,
             rank=self.global_ranks[self._rank],
         )
         if self._broken is None:
-            self._broken = exc
-        self._root.client.submit_abort(self._name, "timeout", str(exc), {"missing": missing})
-        return exc
+            self._broken = err
+        self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
+        return err
 
     def close(self, reason: str) -> None:
         """Mark destroyed, release the backends and worker threads (does not wait)."""

@@ -280,7 +280,7 @@ class RankWorker:
         return fn(rank, *args, **kwargs)
 
 
-_SpawnWorker = ray.remote(RankWorker)
+_SpawnWorker: Any = ray.remote(RankWorker)
 
 
 #: Ray frees out-of-scope objects in batches, once a second by default; until then every new

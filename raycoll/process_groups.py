@@ -336,6 +336,7 @@ def _check_device_id(device_id: Any, where: str) -> None:
     accepted (nothing more to bind) and any other device refused."""
     if device_id is None:
         return
+    index: Optional[int]
     if isinstance(device_id, int) and not isinstance(device_id, bool):
         kind, index = "cuda", device_id  # torch: an int is an accelerator index
     elif isinstance(device_id, str) or hasattr(device_id, "type"):
@@ -427,10 +428,11 @@ def _by_enumeration(parent: ProcessGroup, lists: Sequence[Sequence[int]], timeou
             seen[r] = list(ranks)
     me = parent.global_ranks[parent.rank()]
     mine: Optional[Union[ProcessGroup, _NonMember]] = None
-    subgroups = []
+    subgroups: List[Union[ProcessGroup, _NonMember]] = []
     for ranks in lists:
         sub = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc,
                         group=parent)
+        assert sub is not None  # None only under use_local_synchronization
         subgroups.append(sub)
         if me in ranks:
             mine = sub
