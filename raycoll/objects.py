@@ -27,12 +27,14 @@ def put(obj: Any, name: str) -> "ray.ObjectRef":
 
 
 def all_gather(ctx: GroupContext, call: Call, ref: Any, out: List[Any]) -> None:
+    """``out[:]`` = every rank's object, by rank (``ref``: this rank's, put already)."""
     got = ctx.exchange(call, 0, [ref] * ctx.size)
     sources = list(range(ctx.size))
     out[:] = ctx.get([ref if s == ctx.rank else got[s] for s in sources], sources, call)
 
 
 def broadcast(ctx: GroupContext, call: Call, ref: Any, root: int, out: List[Any]) -> None:
+    """``out[:]`` = the list ``root`` put as ``ref`` (on ``root`` itself ``out`` stays)."""
     payload = [ref] * ctx.size if ctx.rank == root else None
     got = ctx.exchange(call, 0, payload)
     if ctx.rank != root:
@@ -40,6 +42,7 @@ def broadcast(ctx: GroupContext, call: Call, ref: Any, root: int, out: List[Any]
 
 
 def gather(ctx: GroupContext, call: Call, ref: Any, root: int, out: Optional[List[Any]]) -> None:
+    """On ``root``: ``out[:]`` = every rank's object, by rank; elsewhere nothing comes back."""
     got = ctx.exchange(call, 0, [ref if j == root else None for j in range(ctx.size)])
     if ctx.rank == root and out is not None:
         sources = list(range(ctx.size))
@@ -48,5 +51,6 @@ def gather(ctx: GroupContext, call: Call, ref: Any, root: int, out: Optional[Lis
 
 def scatter(ctx: GroupContext, call: Call, refs: Optional[List[Any]], root: int,
             out: List[Any]) -> None:
+    """``out[0]`` = this rank's object of the ones ``root`` put (``refs``, one per rank)."""
     got = ctx.exchange(call, 0, refs)
     out[0] = ctx.get([got[root]], [root], call)[0]

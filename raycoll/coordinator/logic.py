@@ -55,8 +55,6 @@ ERRORS = {
     "timeout": errors.DistTimeoutError,
     "rank_failed": errors.RankFailedError,
     "aborted": errors.GroupBrokenError,
-    "destroyed": errors.GroupDestroyedError,
-    "coordinator_died": errors.CoordinatorDiedError,
     "protocol": errors.CollectiveError,
 }
 
@@ -74,8 +72,6 @@ def unwrap(result: Result, ctx: Dict[str, Any]) -> Any:
         kwargs["missing"] = extra.get("missing", ())
     if cls is errors.RankFailedError:
         kwargs["failed_ranks"] = extra.get("failed_ranks", ())
-    if cls is errors.GroupDestroyedError:
-        raise cls(message)
     raise cls(message, **kwargs)
 
 
