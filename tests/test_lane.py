@@ -427,7 +427,9 @@ def _on_one_core(rank: int, calls: int) -> Dict[str, Any]:
 def test_ranks_sharing_a_core_stop_spinning_for_each_other(actors):
     """Two lane ranks the scheduler put on one core: a spinning rank only delays its peer by
     the whole spin. Spinning backs off after a spin runs out, so only a handful of the 300
-    collectives spin in vain (without the back-off, nearly every one would)."""
+    collectives spin in vain (without the back-off, nearly every one would: ~280)."""
     for res in _on(actors[:2], _on_one_core, args=(300,)):
         assert res["sum"] == 2.0 and res["calls"] >= 300, res
-        assert res["spun_out"] <= 12, res
+        # a few back-off periods (16, 32, 64, ... collectives), each entered after spins ran
+        # out in 3 collectives in a row
+        assert res["spun_out"] <= 40, res
