@@ -280,8 +280,9 @@ class LaneTransport(RoundTransport):
 
     def _write(self, message: Any, spin: bool) -> bool:
         if self._framed is None or self._framed[0] is not message:
-            frame = b"".join(encode_round(message))
-            self._framed = (message, frame if len(frame) <= FRAME_MAX_BYTES else message)
+            parts = encode_round(message)
+            small = sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES
+            self._framed = (message, b"".join(parts) if small else message)
         timeout = self._spin_timeout(spin)
         try:
             self._out.write(self._framed[1], timeout=timeout)
