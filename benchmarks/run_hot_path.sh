@@ -9,7 +9,7 @@ rounds="${2:-2}"
 old="$(mktemp -d)"
 trap 'git worktree remove --force "$old" >/dev/null 2>&1 || true' EXIT
 git worktree add -q --detach "$old" "$base"
-args=(--op all_reduce,broadcast,all_gather,reduce_scatter --sizes 4,4K,64K,1M
+args=(--op ${OPS:-all_reduce,broadcast,all_gather,reduce_scatter} --sizes ${SIZES:-4,4K,64K,1M}
       --iters 200 --warmup 50 --no-progress)
 for r in $(seq "$rounds"); do
   echo "# round $r: HEAD ($(git rev-parse --short HEAD))"

@@ -76,6 +76,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import ray
 
 from raycoll.options import GroupOptions, or_default
@@ -226,6 +227,16 @@ def _give_back(key: Tuple[Tuple[str, ...], int], channel: Any) -> None:
             _POOL.setdefault(key, []).append(channel)
 
 
+def _array_bytes(obj: Any, depth: int = 0) -> int:
+    """The bytes of the arrays in ``obj`` (up to three levels of tuples and lists, as the
+    framing looks): a message with more than a frame's worth is not framed at all."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        return sum(_array_bytes(v, depth + 1) for v in obj)
+    return 0
+
+
 class LaneTransport(RoundTransport):
     """One group's lane on this rank: its own channel and its peers' (by group rank)."""
 
@@ -280,9 +291,12 @@ class LaneTransport(RoundTransport):
 
     def _write(self, message: Any, spin: bool) -> bool:
         if self._framed is None or self._framed[0] is not message:
-            parts = encode_round(message)
-            small = sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES
-            self._framed = (message, b"".join(parts) if small else message)
+            frame: Any = message  # a large one goes through Ray's serializer
+            if _array_bytes(message) <= FRAME_MAX_BYTES:
+                parts = encode_round(message)
+                if sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES:
+                    frame = b"".join(parts)
+            self._framed = (message, frame)
         timeout = self._spin_timeout(spin)
         try:
             self._out.write(self._framed[1], timeout=timeout)
