@@ -124,3 +124,16 @@ def test_markers_are_read() -> None:
                                    Block(10, "z\n", False, [])]
     with pytest.raises(ValueError, match="unknown extra 'cuda'"):
         _missing("cuda")
+
+
+def test_docs_links_out_of_the_site_resolve() -> None:
+    """Links from docs/ to repository files (../examples/..., ../benchmarks/...), which
+    `mkdocs build --strict` does not check (mkdocs.yml: they are not documentation files)."""
+    broken = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for target in _LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{page.name}: {target}")
+    assert not broken, f"docs link to files that do not exist: {broken}"
