@@ -2,7 +2,7 @@
 
 The backend picks inline / direct / reduce-scatter + all-gather and combined / per-peer puts
 from the size and the topology; tests on one node with default options only ever see some of
-them. Here each choice is forced through group options (``create_group(..., options=...)``)
+them. Here each choice is forced through group options (``ranks.run(..., options=...)``)
 and checked against numpy on real actors, with every reduce op, integer and float dtypes,
 tiny segments (so that pieces span several segments with uneven boundaries) and
 non-contiguous tensors.
@@ -15,7 +15,6 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import ray
 
 import raycoll
 
@@ -133,37 +132,23 @@ def actors(rank_actors: List[Any]) -> List[Any]:
 ], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-coordinator",
         "lane", "lane-4KiB-streamed", "lane-4KiB-then-objects"])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
-def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dtype: str) -> None:
+def test_forced_algorithms_match_numpy(ranks: Any, options: Dict[str, Any], dtype: str) -> None:
     world, n = 3, 1001  # chunks of 334/334/333 elements; 1000-byte segments split unevenly
-    name = f"algo-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(actors, group_name=name, options=options, timeout=120)
-    try:
-        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
-                for r, a in enumerate(actors)]
-        results = ray.get(refs, timeout=180)
-    finally:
-        raycoll.destroy_group(name)
+    results = ranks.run(_every_collective, world, world, n, dtype, options=options, timeout=120)
     _check(results, world, n, dtype)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stream_bytes", [1000, 4096])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
-def test_streamed_rounds_of_any_size_match_numpy(actors: Any, stream_bytes: int,
+def test_streamed_rounds_of_any_size_match_numpy(ranks: Any, stream_bytes: int,
                                                  dtype: str) -> None:
     """Two ranks fit the cores of any machine CI runs on, so their large collectives stream
     in rounds of ``stream_bytes`` per destination: rounds that cut chunks, pieces and
     segments unevenly, and a last round shorter than the others."""
     world, n = 2, 1001
-    name = f"stream-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(actors[:world], group_name=name, timeout=120,
-                         options={"stream_bytes": stream_bytes})
-    try:
-        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
-                for r, a in enumerate(actors[:world])]
-        results = ray.get(refs, timeout=180)
-    finally:
-        raycoll.destroy_group(name)
+    results = ranks.run(_every_collective, world, world, n, dtype, timeout=120,
+                        options={"stream_bytes": stream_bytes})
     _check(results, world, n, dtype)
 
 
