@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from raycoll import debug, errors
 from raycoll.backends import BackendConfig, backend_config
 from raycoll.backends._cuda import select_device
-from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
+from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Route
 from raycoll.coordinator import CoordinatorClient, rank_info
 from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
@@ -244,6 +244,13 @@ class ProcessGroup:
         """Whether the group's round transport is set up (alike on every rank between
         collectives)."""
         return self.context.lane_active
+
+    @property
+    def last_route(self) -> Optional[Route]:
+        """How this rank's last CPU collective on the group moved its data: the transport,
+        its rounds and its steps through the coordinator (:class:`raycoll.backends.base.Route`),
+        or ``None`` before the first one. Read-only; for tests and debugging."""
+        return self.context.last_route
 
     def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
         """Every rank's small ``payload`` for ``call``, by group rank, through the round

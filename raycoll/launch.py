@@ -360,16 +360,19 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
 
 def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = (),
            kwargs: Optional[dict] = None, *, group_name: str, backend: Optional[str] = None,
-           timeout: Any = None, torchrun_env: bool = False) -> List[Any]:
+           timeout: Any = None, torchrun_env: bool = False,
+           options: OptionsLike = None) -> List[Any]:
     """Form ``group_name`` among ``actors`` (which must have a ``run(fn, rank, args, kwargs)``
     method, like spawn's workers), run ``fn`` on each, destroy the group, return the results.
-    ``torchrun_env``: set torchrun's environment in each actor first (see :func:`spawn`).
+    ``torchrun_env``: set torchrun's environment in each actor first (see :func:`spawn`);
+    ``options``: the group's options, as :func:`create_group` takes them.
 
     ``fn`` and its arguments may come from modules the actors cannot import (a test file, a
     module beside a notebook or on a script's own ``sys.path``): those are shipped by value
     (see :mod:`raycoll._shipping`)."""
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
-    create_group(actors, backend=backend, group_name=group_name, timeout=seconds)
+    create_group(actors, backend=backend, group_name=group_name, timeout=seconds,
+                 options=options)
     try:
         shipped = ship(actors, (fn, args, kwargs or {}), min(seconds, 30.0))
         if shipped:

@@ -3,8 +3,9 @@
 ``RankPool`` keeps a few idle actors and reuses them across tests: ``pool.run(fn, world_size,
 *args)`` forms a fresh group among the first ``world_size`` of them, runs ``fn(rank, *args)``
 on each rank, destroys the group and returns the results in rank order (a rank's exception is
-re-raised as :class:`raycoll.SpawnError`, after the others were released). Actors that died
-are replaced before the next run. ``local_ray`` starts a small local Ray if none is running.
+re-raised as :class:`raycoll.SpawnError`, after the others were released);
+``pool.run(fn, world_size, options={"transport": "store"})`` forms the group with those group
+options, as ``create_group`` takes them. Actors that died are replaced before the next run. ``local_ray`` starts a small local Ray if none is running.
 
 With pytest, the ``raycoll`` plugin (:mod:`raycoll.pytest_plugin`, installed with raycoll and
 loaded automatically) gives these as fixtures::
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import ray
 
 from raycoll.launch import RankWorker, run_on, start_ray
+from raycoll.options import GroupOptions, OptionsLike
 
 __all__ = ["RankPool", "local_ray"]
 
@@ -87,7 +89,7 @@ class RankPool:
         return len(self._actors)
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, backend: Optional[str] = None,
-            timeout: float = 60.0, **kwargs: Any) -> List[Any]:
+            timeout: float = 60.0, options: OptionsLike = None, **kwargs: Any) -> List[Any]:
         """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` pooled actors as one group.
 
         The group is fresh (a unique name, the default group inside the actors while ``fn``
@@ -95,13 +97,20 @@ class RankPool:
         results in rank order; a rank's exception is raised as :class:`raycoll.SpawnError`
         naming the rank, with the original as its cause. ``timeout`` (seconds) bounds the
         group's collectives and the wait for the results.
+
+        ``options`` are the group's options, exactly as :func:`raycoll.create_group` takes
+        them: a dict such as ``{"transport": "store"}`` or a :class:`raycoll.GroupOptions`.
+        They are validated before any actor is touched (an unknown name or a bad value raises
+        ``ValueError`` naming the option). ``backend``, ``timeout`` and ``options`` are the
+        pool's own keywords; every other keyword goes to ``fn``.
         """
         if not 1 <= world_size <= len(self._actors):
             raise ValueError(f"world_size must be in 1..{len(self._actors)}, got {world_size}")
+        group_options = GroupOptions.of(options)  # refused here, before the actors are asked
         self._replace_dead()
         name = f"test-{uuid.uuid4().hex[:8]}"
         return run_on(self._actors[:world_size], fn, args, kwargs, group_name=name,
-                      backend=backend, timeout=timeout)
+                      backend=backend, timeout=timeout, options=group_options)
 
     def _replace_dead(self) -> None:
         refs = [a.__ray_ready__.remote() for a in self._actors]

@@ -264,3 +264,19 @@ def one_process(steps: int, optimizer: str, lr: float, loss_scale: float = 1.0) 
         opt.step()
         opt.zero_grad()
     return model
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, every: float = 0.05, what: str = "") -> Any:
+    """Poll ``predicate()`` until it returns something truthy (returned), at most ``timeout``
+    seconds; then fail naming ``what`` and the last value. For tests: a bounded wait for a
+    condition instead of a sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            break
+        time.sleep(every)
+    assert value, f"not within {timeout:g}s: {what or predicate} (last: {value!r})"
+    return value

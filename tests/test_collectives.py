@@ -290,16 +290,46 @@ def test_object_collectives(ranks, world_size):
         assert out == [{"to": r}]
 
 
-def _barrier(rank):
+#: The rank that comes late to each barrier of _barrier, in turn.
+_LATE = {"barrier": 3, "monitored_barrier": 0, "async barrier": 2}
+
+
+def _barrier(rank, markers):
+    """Each barrier has one late rank: it 'computes' a while (the scenario), leaves a marker
+    file, then enters. A barrier that did not wait for it returns before the marker exists.
+    Returns, per barrier, whether this rank found the late rank's marker once it returned."""
+    import os
+    import time
+
+    def late(kind):
+        if rank == _LATE[kind]:
+            time.sleep(0.5)
+            with open(os.path.join(markers, kind), "w"):
+                pass
+
+    def saw(kind):
+        return os.path.exists(os.path.join(markers, kind))
+
+    seen = {}
+    late("barrier")
     raycoll.barrier()
+    seen["barrier"] = saw("barrier")
+    late("monitored_barrier")
     raycoll.monitored_barrier(timeout=30)
+    seen["monitored_barrier"] = saw("monitored_barrier")
+    late("async barrier")
     work = raycoll.barrier(async_op=True)
-    return work.wait(timeout=30)
+    seen["waited"] = work.wait(timeout=30)
+    seen["async barrier"] = saw("async barrier")
+    return seen
 
 
 @pytest.mark.timeout(60)
-def test_barriers(ranks):
-    assert ranks.run(_barrier, 4) == [True] * 4
+def test_barriers(ranks, tmp_path):
+    """No rank leaves a barrier before the last one entered it (the ranks share this
+    machine's file system: the late rank's marker is there for all of them)."""
+    want = {"barrier": True, "monitored_barrier": True, "async barrier": True, "waited": True}
+    assert ranks.run(_barrier, 4, str(tmp_path)) == [want] * 4
 
 
 def _non_contiguous(rank):

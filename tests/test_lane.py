@@ -5,30 +5,13 @@ errors (mismatches, rejected arguments, ranks on the other path) on every rank, 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import ray
 
 import raycoll
 from raycoll.group import world
-
-
-@pytest.fixture(scope="module")
-def actors(rank_actors: List[Any]) -> List[Any]:
-    return rank_actors
-
-
-def _on(team: List[Any], fn: Any, options: Dict[str, Any] = None, timeout: float = 60.0,
-        args: tuple = ()) -> List[Any]:
-    name = f"lane-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(team, group_name=name, options=options or {}, timeout=timeout)
-    try:
-        return ray.get([a.run.remote(fn, r, args, {}) for r, a in enumerate(team)], timeout=120)
-    finally:
-        raycoll.destroy_group(name)
 
 
 def _outcome(fn: Any) -> Any:
@@ -74,10 +57,10 @@ def _small_collectives(rank: int) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_small_collectives_go_through_the_lane_with_the_coordinators_results(actors):
+def test_small_collectives_go_through_the_lane_with_the_coordinators_results(ranks):
     w = 3
-    on_lane = _on(actors, _small_collectives)
-    off_lane = _on(actors, _small_collectives, options={"lane": False})
+    on_lane = ranks.run(_small_collectives, 3)
+    off_lane = ranks.run(_small_collectives, 3, options={"lane": False})
     for rank, (a, b) in enumerate(zip(on_lane, off_lane)):
         assert a["lane_calls"] == 7, a  # every collective but the first (which set it up)
         assert b["lane_calls"] == 0, b
@@ -102,9 +85,9 @@ def _mismatch_across_paths(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_lane_rank_and_coordinator_rank_in_one_call_both_get_the_mismatch(actors):
-    for (kind, message, took), ok, again in _on(actors[:2], _mismatch_across_paths,
-                                                options={"stream": False}):
+def test_lane_rank_and_coordinator_rank_in_one_call_both_get_the_mismatch(ranks):
+    for (kind, message, took), ok, again in ranks.run(_mismatch_across_paths, 2,
+                                                      options={"stream": False}):
         assert kind == "CollectiveMismatchError", message
         assert "shape" in message and "(4,)" in message and "(600000,)" in message, message
         assert took < 5.0, took
@@ -123,8 +106,8 @@ def _streamed_mismatch(rank: int) -> Any:
 
 @pytest.mark.timeout(120)
 def test_a_mismatch_in_a_streamed_collective_fails_it_on_every_rank_and_the_group_goes_on(
-        actors):
-    results = _on(actors[:2], _streamed_mismatch)
+        ranks):
+    results = ranks.run(_streamed_mismatch, 2)
     for (kind, message, took), big_ok, ok in results:
         assert kind == "CollectiveMismatchError", message
         assert "(600000,)" in message and "(500000,)" in message, message
@@ -146,8 +129,8 @@ def _mismatch_kept(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_lane_collective_kept_by_its_work_does_not_block_the_peers(actors):
-    for got, gathered, ok, _ in _on(actors[:2], _mismatch_kept, timeout=10.0):
+def test_a_failed_lane_collective_kept_by_its_work_does_not_block_the_peers(ranks):
+    for got, gathered, ok, _ in ranks.run(_mismatch_kept, 2, timeout=10.0):
         assert got[0] == "CollectiveMismatchError", got
         assert gathered == [1.0, 1.0, 2.0, 2.0] and ok
 
@@ -162,8 +145,8 @@ def _streamed_stall(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_streamed_collective_times_out_naming_the_missing_rank(actors):
-    kind, message, took = _on(actors[:2], _streamed_stall, timeout=2.0)[0]
+def test_a_streamed_collective_times_out_naming_the_missing_rank(ranks):
+    kind, message, took = ranks.run(_streamed_stall, 2, timeout=2.0)[0]
     assert kind == "DistTimeoutError", message
     assert "all_gather_into_tensor #2" in message and "ranks [1] never arrived" in message
     assert 1.9 < took < 8.0, took
@@ -179,8 +162,8 @@ def _mismatch_on_lane(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_mismatches_on_the_lane_are_reported_alike_on_every_rank(actors):
-    results = _on(actors, _mismatch_on_lane)
+def test_mismatches_on_the_lane_are_reported_alike_on_every_rank(ranks):
+    results = ranks.run(_mismatch_on_lane, 3)
     for got, root, other, ok in results:
         assert got[0] == "CollectiveMismatchError" and "dtype" in got[1], got
         assert "ranks [0] passed 'float32'" in got[1] and "ranks [1, 2] passed 'int32'" in got[1]
@@ -197,8 +180,8 @@ def _rejects(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_rejecting_its_arguments_fails_its_lane_peers_at_once(actors):
-    results = _on(actors, _rejects)
+def test_a_rank_rejecting_its_arguments_fails_its_lane_peers_at_once(ranks):
+    results = ranks.run(_rejects, 3)
     assert results[0][0][0] == "ValueError", results[0]
     for (kind, message, took), ok in results[1:]:
         assert kind == "PeerArgumentError", message
@@ -216,8 +199,8 @@ def _stalls(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_lane_timeout_names_the_missing_rank_and_its_last_collective(actors):
-    results = _on(actors, _stalls, timeout=2.0)
+def test_lane_timeout_names_the_missing_rank_and_its_last_collective(ranks):
+    results = ranks.run(_stalls, 3, timeout=2.0)
     for res in (results[0], results[2]):
         kind, message, took = res
         assert kind == "DistTimeoutError", res
@@ -233,19 +216,20 @@ def _two_all_reduces(rank: int) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_re_forming_groups_reuses_the_lane_channels(actors):
+def test_re_forming_groups_reuses_the_lane_channels(ranks):
     """Ray frees a channel's memory only when its actor exits: the lane must reuse channels
     across groups of the same actors instead of leaking ~100 KiB per peer and formation."""
-    from helpers import store_used
+    from helpers import store_used, wait_for
 
-    assert _on(actors, _two_all_reduces) == [2, 2, 2]
-    assert _on(actors[:2], _two_all_reduces) == [2, 2]
+    assert ranks.run(_two_all_reduces, 3) == [2, 2, 2]
+    assert ranks.run(_two_all_reduces, 2) == [2, 2]
     time.sleep(0.5)
     before = store_used()[0]
-    for team in (actors, actors[:2], actors, actors[:2], actors):
-        assert _on(team, _two_all_reduces) == [2] * len(team)
-    time.sleep(0.5)
-    assert store_used()[0] <= before + 50_000, (before, store_used())
+    for world_size in (3, 2, 3, 2, 3):
+        assert ranks.run(_two_all_reduces, world_size) == [2] * world_size
+    # Ray frees out-of-scope objects in batches: poll for it rather than sleep
+    wait_for(lambda: store_used()[0] <= before + 50_000, timeout=30,
+             what=f"store back near {before} bytes")
 
 
 def _uneven_all_to_all(rank: int) -> Any:
@@ -269,8 +253,8 @@ def _uneven_all_to_all(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_all_to_all_uses_the_lane_only_when_every_rank_fits(actors):
-    results = _on(actors, _uneven_all_to_all)
+def test_all_to_all_uses_the_lane_only_when_every_rank_fits(ranks):
+    results = ranks.run(_uneven_all_to_all, 3)
     for rank, (firsts, small, bad, lane_calls) in enumerate(results):
         assert firsts == [100.0 * s + rank for s in range(3)], (rank, firsts)
         assert small == [float(rank + 10 * s) for s in range(3)], (rank, small)
@@ -290,9 +274,9 @@ def _reject_behind_async(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_rejection_behind_an_async_collective_keeps_the_order(actors):
+def test_a_rejection_behind_an_async_collective_keeps_the_order(ranks):
     """The rejection must not overtake the async all_reduce queued before it on the lane."""
-    for rank, (x, (kind, message, took), ok) in enumerate(_on(actors, _reject_behind_async)):
+    for rank, (x, (kind, message, took), ok) in enumerate(ranks.run(_reject_behind_async, 3)):
         assert x == [6.0] * 3, (rank, x)
         assert kind == ("ValueError" if rank == 0 else "PeerArgumentError"), (rank, message)
         assert took < 2.0, took
@@ -347,11 +331,11 @@ def _join_on_lane(rank: int, notify: bool) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_join_rounds_ride_the_lane(actors):
-    results = _on(actors[:2], _join_on_lane, args=(True,))
+def test_join_rounds_ride_the_lane(ranks):
+    results = ranks.run(_join_on_lane, 2, True)
     assert results[0][:2] == (0.0, False) and results[1][:2] == (2.0, True), results  # 1 + 0 (shadow)
     assert results[1][2] >= 1 + 2 * 2, results  # warm-up, then per step a round and an all_reduce
-    messages = _on(actors[:2], _join_on_lane, args=(False,))
+    messages = ranks.run(_join_on_lane, 2, False)
     for kind, message in messages:
         assert kind == "mismatch" and "join" in message and "all_reduce" in message, message
     assert "notify_join_context" in messages[0][1], messages[0]
@@ -375,11 +359,11 @@ def _overlapped_wait_cpu(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_an_async_collective_waits_without_spinning_while_its_caller_computes(actors):
+def test_an_async_collective_waits_without_spinning_while_its_caller_computes(ranks):
     """3 ranks on 2 cores yield-poll while they wait (``lane_yield_s``, here 1 s, burns a
     core); an async collective nobody waits for yet sleeps between polls instead, leaving the
     core to its caller: the process burns far less than the 0.45 s it waited."""
-    out = _on(actors, _overlapped_wait_cpu, options={"lane_yield_s": 1.0})
+    out = ranks.run(_overlapped_wait_cpu, 3, options={"lane_yield_s": 1.0})
     assert [x for x, _ in out] == [[6.0] * 4] * 3
     burnt = out[0][1]
     assert burnt < 0.15, f"the waiting async all_reduce burnt {burnt:.3f}s of CPU in 0.45s"
@@ -424,11 +408,11 @@ def _on_one_core(rank: int, calls: int) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_ranks_sharing_a_core_stop_spinning_for_each_other(actors):
+def test_ranks_sharing_a_core_stop_spinning_for_each_other(ranks):
     """Two lane ranks the scheduler put on one core: a spinning rank only delays its peer by
     the whole spin. Spinning backs off after a spin runs out, so only a handful of the 300
     collectives spin in vain (without the back-off, nearly every one would: ~280)."""
-    for res in _on(actors[:2], _on_one_core, args=(300,)):
+    for res in ranks.run(_on_one_core, 2, 300):
         assert res["sum"] == 2.0 and res["calls"] >= 300, res
         # a few back-off periods (16, 32, 64, ... collectives), each entered after spins ran
         # out in 3 collectives in a row

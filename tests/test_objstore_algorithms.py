@@ -2,7 +2,7 @@
 
 The backend picks inline / direct / reduce-scatter + all-gather and combined / per-peer puts
 from the size and the topology; tests on one node with default options only ever see some of
-them. Here each choice is forced through group options (``create_group(..., options=...)``)
+them. Here each choice is forced through group options (``ranks.run(..., options=...)``)
 and checked against numpy on real actors, with every reduce op, integer and float dtypes,
 tiny segments (so that pieces span several segments with uneven boundaries) and
 non-contiguous tensors.
@@ -11,11 +11,10 @@ non-contiguous tensors.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
-import ray
 
 import raycoll
 
@@ -44,6 +43,13 @@ def _op(name: str) -> Any:
     return raycoll.ReduceOp.PREMUL_SUM(0.5) if name == "PREMUL_SUM" else getattr(raycoll.ReduceOp, name)
 
 
+def world_group() -> Any:
+    """This rank's default group (the pool's group while a test function runs)."""
+    from raycoll.group import world
+
+    return world().default
+
+
 def _every_collective(rank: int, world: int, n: int, dtype: str) -> Dict[str, Any]:
     """Run the collectives on this rank; return what each produced (compared by the test)."""
     out: Dict[str, Any] = {}
@@ -53,6 +59,7 @@ def _every_collective(rank: int, world: int, n: int, dtype: str) -> Dict[str, An
         x = _data(rank, n, dtype)
         raycoll.all_reduce(x, op=_op(name))
         out[f"all_reduce/{name}"] = x
+        out[f"route:all_reduce/{name}"] = world_group().last_route
         y = _data(rank, n, dtype)
         raycoll.reduce(y, dst=world - 1, op=_op(name))
         out[f"reduce/{name}"] = y if rank == world - 1 else None
@@ -65,6 +72,7 @@ def _every_collective(rank: int, world: int, n: int, dtype: str) -> Dict[str, An
     rs = np.zeros(n, dtype=dtype)
     raycoll.reduce_scatter(rs, [_data(rank * world + j, n, dtype) for j in range(world)])
     out["reduce_scatter"] = rs
+    out["route:reduce_scatter"] = world_group().last_route
     gathered = [np.zeros(n, dtype=dtype) for _ in range(world)]
     raycoll.all_gather(gathered, _data(rank, n, dtype))
     out["all_gather"] = gathered
@@ -84,6 +92,8 @@ def _every_collective(rank: int, world: int, n: int, dtype: str) -> Dict[str, An
 def _check(results: List[Dict[str, Any]], world: int, n: int, dtype: str) -> None:
     arrays = [_data(r, n, dtype) for r in range(world)]
     for key, _ in results[0].items():
+        if key.startswith("route:"):
+            continue
         kind, _, name = key.partition("/")
         for rank, res in enumerate(results):
             got = res[key]
@@ -120,6 +130,28 @@ def actors(rank_actors: List[Any]) -> List[Any]:
     return rank_actors
 
 
+def _expected_route(case: str, nbytes: int) -> Tuple[str, Any, Tuple[str, ...]]:
+    """The transport, the lane rounds (a count, or "several") and the coordinator steps that
+    a (not first) all_reduce of ``nbytes`` per rank on 3 ranks must take under each case's
+    options, as the backend's docstring describes its choices."""
+    return {
+        # reduce-scatter then all-gather: two steps, one object each (combined on one node)
+        "rs_ag-segments": ("store", 0, ("objects:1", "objects:1")),
+        # one step: every rank puts its buffer once
+        "direct-per_peer-segments": ("store", 0, ("objects:1",)),
+        # per-peer puts: two objects (one per peer) in the reduce-scatter step
+        "rs_ag-per_peer": ("store", 0, ("objects:2", "objects:1")),
+        "inline-coordinator": ("store", 0, ("reduce",)),  # the coordinator reduces
+        "lane": ("lane", 1, ()),
+        # more than one 4 KiB round streams; less fits one
+        "lane-4KiB-streamed": ("lane", "several" if nbytes > 4096 else 1, ()),
+        # too large for a round and not streamed: through the coordinator, inline (and no
+        # collective so far needed a round, so the group has not set its lane up)
+        "lane-4KiB-then-objects": (("undecided", 0, ("reduce",)) if nbytes > 4096
+                                   else ("lane", 1, ())),
+    }[case]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("options", [
     {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000, "lane": False},
@@ -133,38 +165,41 @@ def actors(rank_actors: List[Any]) -> List[Any]:
 ], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-coordinator",
         "lane", "lane-4KiB-streamed", "lane-4KiB-then-objects"])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
-def test_forced_algorithms_match_numpy(actors: Any, options: Dict[str, Any], dtype: str) -> None:
+def test_forced_algorithms_match_numpy(ranks: Any, request: Any, options: Dict[str, Any],
+                                       dtype: str) -> None:
     world, n = 3, 1001  # chunks of 334/334/333 elements; 1000-byte segments split unevenly
-    name = f"algo-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(actors, group_name=name, options=options, timeout=120)
-    try:
-        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
-                for r, a in enumerate(actors)]
-        results = ray.get(refs, timeout=180)
-    finally:
-        raycoll.destroy_group(name)
+    results = ranks.run(_every_collective, world, world, n, dtype, options=options, timeout=120)
     _check(results, world, n, dtype)
+    # ... and the forced choice is what ran (on every rank)
+    case = request.node.callspec.id.split("-", 1)[1]  # "<dtype>-<options id>"
+    transport, rounds, steps = _expected_route(case, n * np.dtype(dtype).itemsize)
+    for rank, res in enumerate(results):
+        route = res["route:all_reduce/MAX"]
+        assert (route.op, route.transport, route.steps) == ("all_reduce", transport, steps), \
+            (rank, case, route)
+        assert route.rounds > 1 if rounds == "several" else route.rounds == rounds, \
+            (rank, case, route)
+        if case == "direct-per_peer-segments":  # per-peer puts show in the reduce-scatter
+            assert res["route:reduce_scatter"].steps == ("objects:2",), (rank, res)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stream_bytes", [1000, 4096])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
-def test_streamed_rounds_of_any_size_match_numpy(actors: Any, stream_bytes: int,
+def test_streamed_rounds_of_any_size_match_numpy(ranks: Any, stream_bytes: int,
                                                  dtype: str) -> None:
     """Two ranks fit the cores of any machine CI runs on, so their large collectives stream
     in rounds of ``stream_bytes`` per destination: rounds that cut chunks, pieces and
     segments unevenly, and a last round shorter than the others."""
     world, n = 2, 1001
-    name = f"stream-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(actors[:world], group_name=name, timeout=120,
-                         options={"stream_bytes": stream_bytes})
-    try:
-        refs = [a.run.remote(_every_collective, r, (world, n, dtype), {})
-                for r, a in enumerate(actors[:world])]
-        results = ray.get(refs, timeout=180)
-    finally:
-        raycoll.destroy_group(name)
+    results = ranks.run(_every_collective, world, world, n, dtype, timeout=120,
+                        options={"stream_bytes": stream_bytes})
     _check(results, world, n, dtype)
+    streams = n * np.dtype(dtype).itemsize > stream_bytes  # else the all_reduce fits a round
+    for rank, res in enumerate(results):
+        route = res["route:all_reduce/MAX"]
+        assert route.transport == "lane" and route.steps == (), (rank, route)
+        assert route.rounds > 1 if streams else route.rounds == 1, (rank, stream_bytes, route)
 
 
 @pytest.mark.timeout(120)

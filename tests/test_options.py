@@ -95,44 +95,53 @@ def test_the_transport_option_and_its_older_spelling():
 
 
 # ---------------------------------------------------------------------- on Ray
-def _form(team: List[Any], options: Any, name: str = "") -> List[Dict[str, Any]]:
-    name = name or f"opts-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(team, group_name=name, options=options, timeout=60)
-    try:
-        return ray.get([a.run.remote(_seen, r, (name,), {}) for r, a in enumerate(team)],
-                       timeout=120)
-    finally:
-        raycoll.destroy_group(name)
-
-
-def _seen(rank: int, name: str) -> Dict[str, Any]:
+def _seen(rank: int) -> Dict[str, Any]:
     x = np.full(4, float(rank + 1))
-    raycoll.all_reduce(x, group=name)
-    pg = world().groups[name]
+    raycoll.all_reduce(x)
+    pg = world().default
     return {"sum": x.tolist(), "options": pg.context.options, "transport": pg.transport_name,
-            "lane_active": pg.lane_active, "nodes": len(pg.node_ids),
-            "client": pg.client is pg.context.client}
+            "lane_active": pg.lane_active, "lane_calls": pg.context.lane_calls,
+            "nodes": len(pg.node_ids), "client": pg.client is pg.context.client}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("given", [{"transport": "store", "inline_bytes": 0},
                                    GroupOptions(transport="store", inline_bytes=0)],
                          ids=["dict", "GroupOptions"])
-def test_a_dict_and_a_group_options_both_reach_every_rank(rank_actors: List[Any], given: Any):
-    for got in _form(rank_actors[:2], given):
+def test_a_dict_and_a_group_options_both_reach_every_rank(ranks: Any, given: Any):
+    """``RankPool.run(..., options=...)`` forms its group with them: the store ran the
+    all_reduce, not the lane a group of one node gets by default."""
+    for got in ranks.run(_seen, 2, options=given):
         assert got["sum"] == [3.0] * 4
         assert got["options"] == GroupOptions(transport="store", inline_bytes=0)
         assert got["transport"] == "store" and got["lane_active"] is False
+        assert got["lane_calls"] == 0
         assert got["nodes"] == 2 and got["client"] is True
+    for got in ranks.run(_seen, 2):  # the same pool without options: the lane carried it
+        assert got["transport"] == "lane" and got["lane_calls"] == 1
 
 
 @pytest.mark.timeout(120)
-def test_create_group_refuses_an_unknown_option_before_anything_starts(rank_actors: List[Any]):
+def test_the_pool_refuses_a_bad_option_before_it_forms_a_group(ranks: Any):
+    groups = set(raycoll.launch._groups)
+    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
+        ranks.run(_seen, 2, options={"strem": False})
+    with pytest.raises(TypeError, match=r"options must be a dict of group options"):
+        ranks.run(_seen, 2, options=["transport"])
+    assert set(raycoll.launch._groups) == groups
+
+
+@pytest.mark.timeout(120)
+def test_create_group_refuses_an_unknown_option_before_anything_starts(rank_actors: List[Any],
+                                                                       ranks: Any):
     name = f"opts-{uuid.uuid4().hex[:8]}"
     with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
         raycoll.create_group(rank_actors[:2], group_name=name, options={"strem": False})
     with pytest.raises(ValueError, match=r"group option lane_bytes: expected an int >= 0"):
         raycoll.create_group(rank_actors[:2], group_name=name, options={"lane_bytes": -4})
-    # nothing was left behind: the name forms at once, on the lane by default
-    got = _form(rank_actors[:2], None, name)
+    # nothing was left behind: the name forms at once
+    raycoll.create_group(rank_actors[:2], group_name=name, timeout=60)
+    raycoll.destroy_group(name)
+    # and a group formed without options is on the lane by default
+    got = ranks.run(_seen, 2)
     assert [g["transport"] for g in got] == ["lane", "lane"]

@@ -140,7 +140,8 @@ def _barrier_timeout(rank):
 def test_barrier_timeout_is_honoured(ranks):
     (kind, message), took = ranks.run(_barrier_timeout, 2)[0]
     assert kind == "DistTimeoutError" and "[1]" in message, message
-    assert took < 3.0  # the group's timeout (60 s here) was not what bounded it
+    # far below the group's 60 s timeout: the barrier's own 1 s bound ended it
+    assert took < 30.0, took
 
 
 def _work_wait_and_source(rank):

@@ -21,16 +21,6 @@ import raycoll
 from raycoll.group import world
 
 
-def _on(team: List[Any], fn: Any, args: tuple = (), options: Dict[str, Any] = None,
-        timeout: float = 60.0) -> List[Any]:
-    name = f"tcp-{uuid.uuid4().hex[:8]}"
-    raycoll.create_group(team, group_name=name, options=options or {}, timeout=timeout)
-    try:
-        return ray.get([a.run.remote(fn, r, args, {}) for r, a in enumerate(team)], timeout=180)
-    finally:
-        raycoll.destroy_group(name)
-
-
 def _outcome(fn: Any) -> Any:
     start = time.monotonic()
     try:
@@ -42,8 +32,8 @@ def _outcome(fn: Any) -> Any:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [5, 300_000], ids=["small", "streamed"])
-def test_every_collective_and_p2p_over_tcp_match_numpy(rank_actors, n):
-    results = _on(rank_actors, every_op, (3, n), options={"transport": "tcp"})
+def test_every_collective_and_p2p_over_tcp_match_numpy(ranks, n):
+    results = ranks.run(every_op, 3, 3, n, options={"transport": "tcp"}, timeout=120)
     for rank, (bad, transport) in enumerate(results):
         assert transport == "tcp", (rank, transport)
         assert bad == [], (rank, bad)
@@ -59,11 +49,11 @@ def _mailbox_used(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_point_to_point_goes_straight_between_the_pair(rank_actors):
-    results = _on(rank_actors, _mailbox_used)
+def test_point_to_point_goes_straight_between_the_pair(ranks):
+    results = ranks.run(_mailbox_used, 3)
     assert all(direct for direct, _ in results)
     assert results[1][1] == [0.0] * 4
-    stored = _on(rank_actors, _mailbox_used, options={"transport": "store"})
+    stored = ranks.run(_mailbox_used, 3, options={"transport": "store"})
     assert not any(direct for direct, _ in stored)  # forced through the coordinator
     assert stored[1][1] == [0.0] * 4
 
@@ -80,8 +70,8 @@ def _send_send(rank: int, n: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_send_send_exchange_of_small_messages_does_not_deadlock(rank_actors):
-    assert _on(rank_actors, _send_send, (1000,))[:2] == [1.0, 0.0]
+def test_a_send_send_exchange_of_small_messages_does_not_deadlock(ranks):
+    assert ranks.run(_send_send, 3, 1000)[:2] == [1.0, 0.0]
 
 
 def _posted_late(rank: int, n: int) -> Any:
@@ -107,9 +97,9 @@ def _posted_late(rank: int, n: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_message_read_before_its_receive_is_posted_reaches_that_receive(rank_actors):
+def test_a_message_read_before_its_receive_is_posted_reaches_that_receive(ranks):
     n = 400_000  # 3.2 MB: more than the socket buffers hold
-    _, first, third = _on(rank_actors, _posted_late, (n,))
+    _, first, third = ranks.run(_posted_late, 3, n)
     assert first == [[1.0, 1.0], float(n * (n - 1) // 2)]
     assert third == ([1, 0], [1.0, 2.0], [1.0, 2.0])
 
@@ -126,8 +116,8 @@ def _p2p_errors(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_p2p_mismatch_and_timeout_are_named_on_the_receiver(rank_actors):
-    got = _on(rank_actors, _p2p_errors, timeout=6.0)[1]
+def test_p2p_mismatch_and_timeout_are_named_on_the_receiver(ranks):
+    got = ranks.run(_p2p_errors, 3, timeout=6.0)[1]
     kind, msg, _ = got["mismatch"]
     assert kind == "CollectiveMismatchError", got
     assert "the sender sent dtype=float32, shape=(4,)" in msg and "expects dtype=float64" in msg
@@ -206,11 +196,11 @@ def _garble(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_garbled_frame_breaks_the_group_with_a_clear_error_on_every_rank(rank_actors):
+def test_a_garbled_frame_breaks_the_group_with_a_clear_error_on_every_rank(ranks):
     """Rank 0 reads garbage from rank 1: it breaks the group saying so. Rank 1 got rank 0's
     whole message, so its call may complete (with the right data); its next one fails."""
-    (r0, r0_next, _), (r1, r1_next, r1_data) = _on(rank_actors[:2], _garble,
-                                                   options={"transport": "tcp"})
+    (r0, r0_next, _), (r1, r1_next, r1_data) = ranks.run(_garble, 2,
+                                                         options={"transport": "tcp"})
     assert r0[0] == "GroupBrokenError" and "garbled frame" in r0[1], r0
     assert r0_next[0] == "GroupBrokenError", r0_next
     if r1[0] is None:
@@ -235,6 +225,12 @@ def _traffic(rank: int, group: Any = None) -> float:
     return float(x[0])
 
 
+def _fds_then_traffic(rank: int) -> Any:
+    """This process's fds as the group starts (none of its connections open yet), then
+    :func:`_traffic`."""
+    return _fds(rank), _traffic(rank)
+
+
 def _subgroups(rank: int, times: int) -> Any:
     """Form, use and destroy a subgroup ``times`` times; this process's fds before/after."""
     _traffic(rank)
@@ -247,19 +243,20 @@ def _subgroups(rank: int, times: int) -> Any:
 
 
 @pytest.mark.timeout(300)
-def test_re_forming_a_group_100_times_leaks_no_file_descriptor(rank_actors):
+def test_re_forming_a_group_100_times_leaks_no_file_descriptor(ranks):
     """A group's sockets close with it: 100 subgroups formed, used (collective and
     point-to-point, each its own connections) and destroyed, then root groups re-formed
     from the driver (each with a new coordinator, so fewer), leave every rank's file
     descriptors where they were."""
-    team = rank_actors[:2]
-    for before, after in _on(team, _subgroups, (100,), options={"transport": "tcp"}):
+    for before, after in ranks.run(_subgroups, 2, 100, options={"transport": "tcp"}):
         assert after <= before, (before, after)
-    _on(team, _traffic, options={"transport": "tcp"})  # the listeners are up
-    before = ray.get([a.run.remote(_fds, r, (), {}) for r, a in enumerate(team)], timeout=60)
+    ranks.run(_traffic, 2, options={"transport": "tcp"})  # the listeners are up
+    # each rank's descriptors counted as each group starts, before it carries anything
+    before = [fds for fds, _ in ranks.run(_fds_then_traffic, 2, options={"transport": "tcp"})]
     for _ in range(5):
-        assert _on(team, _traffic, options={"transport": "tcp"}) == [1.0, 1.0]
-    after = ray.get([a.run.remote(_fds, r, (), {}) for r, a in enumerate(team)], timeout=60)
+        got = ranks.run(_fds_then_traffic, 2, options={"transport": "tcp"})
+        assert [value for _, value in got] == [1.0, 1.0]
+    after = [fds for fds, _ in got]
     # (Ray's own connections to the coordinators come and go: a little slack, not a trend)
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
 

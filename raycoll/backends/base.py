@@ -24,7 +24,8 @@ from raycoll.options import GroupOptions, OptionsLike, or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.work import DevicePending
 
-__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion", "Outcome"]
+__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion", "Outcome",
+           "Route"]
 
 #: Ray's ways of saying that a peer's object is gone with its owner.
 _LOST = (
@@ -56,6 +57,36 @@ class Call:
     seq: int
     timeout_s: float
     fp: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one collective's data moved on this rank (:attr:`GroupContext.last_route`): what a
+    test or a debugging user reads to see which transport and algorithm ran.
+
+    ``steps`` are its steps through the coordinator, in order: ``"reduce"`` (arrays inline,
+    reduced by the coordinator), ``"inline"`` (arrays inline, routed), ``"objects:<k>"`` (``k``
+    objects put in the object store for the peers), ``"none"`` (this rank sent nothing),
+    ``"setup"`` (the step that set the lane up)."""
+
+    op: str
+    seq: int
+    #: the group's round transport: "lane", "tcp" or "store" (none)
+    transport: str
+    #: rounds of that round transport the collective took on this rank
+    rounds: int
+    steps: Tuple[str, ...]
+
+
+def _step_kind(mode: str, payload: Any) -> str:
+    """What one coordinator step carried, for :class:`Route`."""
+    if mode == "reduce":
+        return "reduce"
+    sent = [p for p in payload or () if p is not None]
+    refs = {p[0] for p in sent if isinstance(p, tuple) and isinstance(p[0], ray.ObjectRef)}
+    if refs:
+        return f"objects:{len(refs)}"
+    return "inline" if sent else "none"
 
 
 def _transport_option(options: GroupOptions) -> str:
@@ -116,6 +147,10 @@ class GroupContext:
         self._shifted_seq: Optional[int] = None
         self._links: Any = None
         self._mailbox: Any = None
+        # the route of the last collective (see last_route): its (op, seq), rounds and steps
+        self._route_of: Optional[Tuple[str, int]] = None
+        self._route_rounds = 0
+        self._route_steps: List[str] = []
         if self.transport != "store" and self.size > 1:
             from raycoll.transport import tcp
 
@@ -154,6 +189,12 @@ class GroupContext:
             if mode == "reduce":
                 return reduce_arrays(ReduceOp(*call.fp["reduce_op"]), [payload])
             return [payload[0] if payload is not None else None]
+        self._note(call, 0, _step_kind(mode, payload))
+        return self._exchange(call, step, payload, mode, send_meta, recv_meta, root)
+
+    def _exchange(self, call: Call, step: int, payload: Any, mode: str = "route",
+                  send_meta: Optional[List[Any]] = None, recv_meta: Optional[List[Any]] = None,
+                  root: Optional[int] = None) -> Any:
         if call.seq == self._shifted_seq:
             step += _SETUP_STEPS  # this call's step 0 set up the lane (which stayed off)
         fp = call.fp if step == 0 else {"op": call.op}
@@ -180,7 +221,26 @@ class GroupContext:
             plane = self._set_up_plane(call)
         if plane is False:
             return None
+        self._note(call, 1, None)
         return plane.all_gather(call, payload, sub, views)
+
+    def _note(self, call: Call, rounds: int, step: Optional[str]) -> None:
+        """Count a round or a step of ``call`` into the route of the last collective."""
+        if self._route_of != (call.op, call.seq):
+            self._route_of = (call.op, call.seq)
+            self._route_rounds, self._route_steps = 0, []
+        self._route_rounds += rounds
+        if step is not None:
+            self._route_steps.append(step)
+
+    @property
+    def last_route(self) -> Optional[Route]:
+        """How the last collective that moved data on this rank went (its transport, rounds
+        and coordinator steps), or ``None`` before the first one."""
+        if self._route_of is None:
+            return None
+        return Route(self._route_of[0], self._route_of[1], self.transport_name,
+                     self._route_rounds, tuple(self._route_steps))
 
     def _set_up_plane(self, call: Call) -> Any:
         """Decide, inside ``call`` and identically on every rank, which round transport the
@@ -217,8 +277,9 @@ class GroupContext:
 
         mine = _lane_mod.open_channel(self)
         epoch = uuid.uuid4().hex
+        self._note(call, 0, "setup")
         try:
-            got = self.exchange(call, 0, [(mine, epoch)] * self.size)
+            got = self._exchange(call, 0, [(mine, epoch)] * self.size)
         except BaseException:
             _lane_mod.release_channel(self, mine)
             raise
