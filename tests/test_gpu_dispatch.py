@@ -285,7 +285,7 @@ def _per_device(rank: int) -> List[Any]:
     x = np.full(3, rank + 1.0)
     raycoll.all_reduce(x)
     raycoll.barrier()
-    from raycoll.group import world
+    from raycoll.world import world
 
     group = world().default
     assert group is not None

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 import raycoll
-from raycoll.group import world
+from raycoll.world import world
 
 
 @pytest.fixture(scope="module")
