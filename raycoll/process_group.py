@@ -235,7 +235,7 @@ class ProcessGroup:
         as their bits), created on first use."""
         backend = self._backends.get(_BFLOAT16_CPU)
         if backend is None:
-            from raycoll.backends.objstore import ObjstoreBackend
+            from raycoll.backends.cpu import ObjstoreBackend
             from raycoll.backends.staged import StagedBackend
 
             if not isinstance(self.backend("cpu"), ObjstoreBackend):

@@ -25,7 +25,7 @@ from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
 from raycoll.backends.nccl import NcclBackend
 from raycoll.backends.nccl.plan import AVG_MIN_VERSION, reduce_plan
-from raycoll.backends.objstore import ObjstoreBackend
+from raycoll.backends.cpu import ObjstoreBackend
 from raycoll.backends.staged import StagedBackend
 from raycoll.work import DevicePending, Work
 
