@@ -3,10 +3,10 @@
 Layers, top to bottom (data flows one way):
 
 - public functions (:mod:`raycoll.collectives`, :mod:`raycoll.object_collectives`,
-  :mod:`raycoll.coalesced`, :mod:`raycoll.process_groups`, driver-side :mod:`raycoll.launch`):
+  :mod:`raycoll.coalesced`, :mod:`raycoll.groups`, driver-side :mod:`raycoll.launch`):
   resolve the group, validate, dispatch;
-- :class:`ProcessGroup` (:mod:`raycoll.group`): ranks, sequence numbers, issue order,
-  device -> backend dispatch;
+- :class:`ProcessGroup` (:mod:`raycoll.process_group`, the per-process registry of groups in
+  :mod:`raycoll.world`): ranks, sequence numbers, issue order, device -> backend dispatch;
 - backends (:mod:`raycoll.backends`): ``objstore`` for CPU arrays through the Ray object
   store, others registered per device;
 - the coordinator actor (:mod:`raycoll.coordinator`): rendezvous, arrival matching,
@@ -60,8 +60,9 @@ from raycoll.errors import (
     UnsupportedOpError,
 )
 from raycoll.gradients import GradientAverager
-from raycoll.group import GroupMember, ProcessGroup
-from raycoll.group import group as _world_group
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupMember
+from raycoll.world import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, group_status, spawn
 from raycoll.options import GroupOptions
@@ -73,7 +74,7 @@ from raycoll.object_collectives import (
     scatter_object_list,
     send_object_list,
 )
-from raycoll.process_groups import (
+from raycoll.groups import (
     destroy_process_group,
     get_backend,
     get_backend_config,
@@ -126,8 +127,7 @@ __all__ = [
     "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
 ]
 
-#: torch's ``dist.group`` (``group.WORLD``); the name hides the submodule raycoll.group as an
-#: attribute of the package, which nothing uses (``from raycoll.group import ...`` still works).
+#: torch's ``dist.group`` (``group.WORLD``, the default group); no module is named ``group``.
 group = _world_group
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

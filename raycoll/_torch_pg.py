@@ -28,8 +28,8 @@ from raycoll import collectives as rc
 from raycoll import errors
 from raycoll._torch_names import GroupNames
 from raycoll._torch_rendezvous import _default_group, _install_rendezvous, _rank_and_size
-from raycoll.group import ProcessGroup as RaycollGroup
-from raycoll.process_groups import destroy_process_group, new_group
+from raycoll.process_group import ProcessGroup as RaycollGroup
+from raycoll.groups import destroy_process_group, new_group
 from raycoll.reduce_op import ReduceOp, as_reduce_op
 from raycoll.work import future_error
 

@@ -24,8 +24,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
-from raycoll.group import ProcessGroup as RaycollGroup
-from raycoll.group import world
+from raycoll.process_group import ProcessGroup as RaycollGroup
+from raycoll.world import world
 
 __all__ = ["LocalStore", "DeferredStore"]
 

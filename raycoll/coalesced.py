@@ -18,7 +18,8 @@ import numpy as np
 from raycoll import errors
 from raycoll.collectives import (Prepared, Tensor, _backend, _reduce_op, _run, _tensor,
                                  all_gather, all_reduce)
-from raycoll.group import GroupLike, ProcessGroup
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupLike
 from raycoll.reduce_op import ReduceOp
 from raycoll.tensors import TensorInfo, device_type, host_view, is_tensor
 from raycoll.work import Future, Work

@@ -18,7 +18,8 @@ import numpy as np
 
 from raycoll import errors
 from raycoll.backends.base import Call, CollectiveBackend
-from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupLike, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
 from raycoll.tensors import TensorInfo, describe, is_tensor
 from raycoll.work import Work

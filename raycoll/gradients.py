@@ -29,7 +29,8 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from raycoll.collectives import all_reduce, broadcast
-from raycoll.group import GroupLike, ProcessGroup, world
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupLike, world
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.reduce_op import ReduceOp
 from raycoll.tensors import host_view, is_torch

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple, 
 
 from raycoll import errors
 from raycoll.coordinator.logic import JOIN_OUT_OF_STEP, join_outcome
-from raycoll.group import GroupLike, ProcessGroup, _NonMember, world
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupLike, _NonMember, world
 from raycoll.work import Work
 
 if TYPE_CHECKING:  # pragma: no cover

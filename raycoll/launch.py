@@ -25,7 +25,8 @@ from raycoll._shipping import ship
 from raycoll.backends import backend_config
 from raycoll.transport.lane import lane_report_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
-from raycoll.group import DEFAULT_TIMEOUT_S, GroupSpec, join_root_group, world
+from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
+from raycoll.world import join_root_group, world
 from raycoll.options import GroupOptions, OptionsLike
 from raycoll.work import to_seconds
 

@@ -2,7 +2,7 @@
 
 ``all_gather_object``, ``broadcast_object_list``, ``gather_object`` and
 ``scatter_object_list`` move Python objects through the Ray object store as they are (see
-:mod:`raycoll.objects`). ``send_object_list`` / ``recv_object_list`` go straight between the
+:mod:`raycoll.backends.objects`). ``send_object_list`` / ``recv_object_list`` go straight between the
 pair over raycoll's point-to-point, as torch's do: the list is pickled (cloudpickle) into a
 byte array that follows a two-number header (object count, byte count).
 """
@@ -15,9 +15,10 @@ from typing import Any, List, Optional, cast
 import numpy as np
 import ray
 
-from raycoll import objects
+from raycoll.backends import objects
 from raycoll.collectives import Prepared, _given, _peer, _resolve, _run, recv, send
-from raycoll.group import GroupLike, ProcessGroup
+from raycoll.process_group import ProcessGroup
+from raycoll.world import GroupLike
 
 __all__ = [
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",

@@ -51,7 +51,7 @@ class GroupOptions:
     - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
       sleep (``None``: 2 ms).
 
-    The CPU algorithms (:mod:`raycoll.backends.objstore`), mostly to force a choice when
+    The CPU algorithms (:mod:`raycoll.backends.cpu`), mostly to force a choice when
     measuring:
 
     - ``stream``: ``False`` sends large collectives through the object store even where the

@@ -108,7 +108,7 @@ def every_op(rank: int, world_size: int, n: int) -> Any:
     ``(failures, transport)``: what came out wrong (empty when all is right) and the round
     transport the group used."""
     import raycoll
-    from raycoll.group import world
+    from raycoll.world import world
 
     W, me = world_size, rank
     bad = []

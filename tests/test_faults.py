@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import raycoll
-from raycoll.backends.objstore import LANE_BYTES
+from raycoll.backends.cpu import LANE_BYTES
 from raycoll.coordinator import coordinator_name
 from raycoll.launch import RankWorker
 
@@ -334,7 +334,7 @@ def test_create_group_with_a_dead_actor_fails_fast_and_frees_the_others(actors):
 
 def _barrier_failing_on(rank: int, group: str, bad_rank: int) -> Dict[str, Any]:
     """barrier, where ``bad_rank``'s backend raises an unexpected error inside it."""
-    from raycoll.backends.objstore import ObjstoreBackend
+    from raycoll.backends.cpu import ObjstoreBackend
 
     original = ObjstoreBackend.barrier
 

@@ -270,7 +270,7 @@ def test_nccl_timeout_aborts_and_raises_dist_timeout() -> None:
 # ---------------------------------------------------------------------- public API, Ray actors
 def _one_rank(rank: int) -> Dict[str, Any]:
     import cupy as cp
-    from raycoll.group import world
+    from raycoll.world import world
 
     pg = world().default
     assert pg is not None

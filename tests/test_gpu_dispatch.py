@@ -25,7 +25,7 @@ from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
 from raycoll.backends.nccl import NcclBackend
 from raycoll.backends.nccl.plan import AVG_MIN_VERSION, reduce_plan
-from raycoll.backends.objstore import ObjstoreBackend
+from raycoll.backends.cpu import ObjstoreBackend
 from raycoll.backends.staged import StagedBackend
 from raycoll.work import DevicePending, Work
 
@@ -285,7 +285,7 @@ def _per_device(rank: int) -> List[Any]:
     x = np.full(3, rank + 1.0)
     raycoll.all_reduce(x)
     raycoll.barrier()
-    from raycoll.group import world
+    from raycoll.world import world
 
     group = world().default
     assert group is not None

@@ -16,7 +16,7 @@ import ray
 
 import helpers
 import raycoll
-from raycoll.group import world
+from raycoll.world import world
 from raycoll.launch import RankWorker
 
 BASE = 3

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import raycoll
-from raycoll.group import world
+from raycoll.world import world
 
 
 def _outcome(fn: Any) -> Any:

@@ -45,7 +45,7 @@ def _op(name: str) -> Any:
 
 def world_group() -> Any:
     """This rank's default group (the pool's group while a test function runs)."""
-    from raycoll.group import world
+    from raycoll.world import world
 
     return world().default
 

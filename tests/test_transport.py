@@ -18,7 +18,7 @@ import ray
 from helpers import every_op
 
 import raycoll
-from raycoll.group import world
+from raycoll.world import world
 
 
 def _outcome(fn: Any) -> Any:

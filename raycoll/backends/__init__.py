@@ -259,7 +259,7 @@ def backend_config(backend: Any) -> BackendConfig:
 
 def _register_builtin() -> None:
     from raycoll.backends.nccl import NcclBackend
-    from raycoll.backends.objstore import ObjstoreBackend
+    from raycoll.backends.cpu import ObjstoreBackend
     from raycoll.backends.staged import StagedBackend
 
     _register("objstore", {"cpu": _Impl(ObjstoreBackend, _always),

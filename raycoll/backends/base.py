@@ -24,8 +24,7 @@ from raycoll.options import GroupOptions, OptionsLike, or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.work import DevicePending
 
-__all__ = ["Call", "GroupContext", "CollectiveBackend", "chunk_bounds", "Completion", "Outcome",
-           "Route"]
+__all__ = ["Call", "GroupContext", "CollectiveBackend", "Completion", "Outcome", "Route"]
 
 #: Ray's ways of saying that a peer's object is gone with its owner.
 _LOST = (
@@ -92,20 +91,6 @@ def _step_kind(mode: str, payload: Any) -> str:
 def _transport_option(options: GroupOptions) -> str:
     """The group option ``transport`` (``lane=False`` is the old spelling of ``"store"``)."""
     return or_default(options.transport, "auto" if options.lane else "store")
-
-
-def chunk_bounds(n: int, parts: int) -> List[int]:
-    """``parts + 1`` offsets splitting ``n`` elements into near-equal contiguous chunks.
-
-    The first ``n % parts`` chunks get one element more, so sizes differ by at most one.
-    """
-    if parts <= 0:
-        raise ValueError(f"parts must be positive, got {parts}")
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
 
 
 class GroupContext:

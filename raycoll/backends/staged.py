@@ -23,7 +23,7 @@ import numpy as np
 
 from raycoll.backends import _cuda
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Outcome
-from raycoll.backends.objstore import ObjstoreBackend
+from raycoll.backends.cpu import ObjstoreBackend
 from raycoll.reduce_op import ReduceOp
 from raycoll.tensors import describe_gpu, is_torch
 from raycoll.work import DevicePending

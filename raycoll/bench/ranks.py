@@ -167,7 +167,7 @@ class BenchRank:
     def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int, check: bool,
               group: str) -> Tuple[List[float], Optional[int]]:
         import raycoll
-        from raycoll.group import world as _world
+        from raycoll.world import world as _world
 
         pg = _world().resolve(group)
         rank, world = pg.rank(), pg.size()  # type: ignore[union-attr]

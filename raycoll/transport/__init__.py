@@ -10,6 +10,6 @@
 
 A group picks its transport once, at its first collective, the same on every rank (group
 option ``transport``: ``"auto"``, ``"lane"``, ``"tcp"``, ``"store"``); what has none goes
-through the coordinator and the Ray object store (raycoll.backends.objstore). Transports
+through the coordinator and the Ray object store (raycoll.backends.cpu). Transports
 know nothing of collectives: they move rounds of payloads and point-to-point messages.
 """

@@ -1,6 +1,6 @@
 """The transport boundary: how one *round* of a collective moves between a group's ranks.
 
-A round is the unit every CPU algorithm in :mod:`raycoll.backends.objstore` is written
+A round is the unit every CPU algorithm in :mod:`raycoll.backends.cpu` is written
 against: each rank hands over one payload and gets every rank's payload back, by group rank
 (:meth:`RoundTransport.all_gather`). A payload is any picklable structure of numpy arrays; a
 :class:`PerPeer` inside it holds one element per destination, and a transport may deliver
@@ -29,7 +29,7 @@ the backward pass: benchmarks/BENCHMARKS.md). A transport implements four hooks:
 
 Transports: :mod:`raycoll.transport.lane` (ranks on one node: Ray shared-memory channels)
 and :mod:`raycoll.transport.tcp` (any ranks: direct sockets, also point-to-point). What has
-neither goes through the coordinator and the object store (raycoll.backends.objstore).
+neither goes through the coordinator and the object store (raycoll.backends.cpu).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ most ``lane_bytes``, group option, 4 MiB by default) and reads each peer's. A sm
 collective is one round: every rank gets every rank's contribution and computes its own
 result locally (reductions in rank order, so every rank holds bitwise the same result). A
 larger one streams through several rounds (the backend cuts them: see
-raycoll.backends.objstore), reading the peers' parts in place (``views=True``) and dropping
+raycoll.backends.cpu), reading the peers' parts in place (``views=True``) and dropping
 them before its next round. A small message (``FRAME_MAX_BYTES``) is written as one frame
 of bytes in the direct transport's framing (raycoll.transport.frames), which costs a
 fraction of Ray's serializer; a larger one through Ray's serializer, its arrays read in place.

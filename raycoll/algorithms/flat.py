@@ -1,5 +1,6 @@
-"""Flat views of numpy arrays, and copies and reductions of *segments* (the flat pieces an
-array travels in through the object store), shared by the object-store backend's paths."""
+"""Flat views of numpy arrays, copies and reductions of *segments* (the flat pieces an array
+travels in), and chunk boundaries: the pure array pieces the CPU algorithms share
+(:mod:`raycoll.algorithms.direct`, :mod:`raycoll.algorithms.store`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.tensors import dtype_name
 
-__all__ = ["Segments", "array_meta", "flat_out", "flat_in", "split", "spans", "copy_into",
+__all__ = ["Segments", "chunk_bounds", "array_meta", "flat_out", "flat_in", "split", "spans", "copy_into",
            "reduce_into", "reduce_received"]
 
 #: A received piece: flat segments that, concatenated, are the sender's array.
@@ -86,3 +87,17 @@ def reduce_received(op: ReduceOp, out: np.ndarray, own: np.ndarray,
     if first is not None:
         np.copyto(out, first)
     finalize(op, out, size)
+
+
+def chunk_bounds(n: int, parts: int) -> List[int]:
+    """``parts + 1`` offsets splitting ``n`` elements into near-equal contiguous chunks.
+
+    The first ``n % parts`` chunks get one element more, so sizes differ by at most one.
+    """
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds

@@ -1,9 +1,9 @@
-"""The object-store backend's collectives as *steps* through the coordinator: a step is one
+"""The cpu backend's collectives as *steps* through the coordinator: a step is one
 round trip to the coordinator (:meth:`GroupContext.exchange`), which matches the ranks'
 arrivals and routes what each rank sends to each other rank: inline in the call when small,
 else references to objects in Ray's object store (one object per step on one node, one per
 destination across nodes). Readers map the objects zero-copy and reduce or copy straight
-from them into the output buffer.
+from them into the output buffer. The design: ``docs/transports.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import ray
 
-from raycoll.backends._flat import (
+from raycoll.algorithms.flat import (
     Segments,
     copy_into,
     flat_in,
@@ -35,7 +35,7 @@ Payload = Any
 
 
 class StoreSteps:
-    """The coordinator steps of :class:`~raycoll.backends.objstore.ObjstoreBackend` (a base
+    """The coordinator steps of :class:`~raycoll.backends.cpu.ObjstoreBackend` (a base
     class of it: they read its group and its size thresholds)."""
 
     ctx: GroupContext

@@ -1,11 +1,12 @@
-"""The object-store backend's collectives as rounds of the group's round transport (the
-shared-memory lane on one node, direct connections across nodes; :mod:`raycoll.transport`):
+"""The direct exchange: the cpu backend's collectives as rounds of the group's round
+transport (the shared-memory lane on one node, direct connections across nodes;
+:mod:`raycoll.transport`, design in ``docs/transports.md``):
 one round when every rank's message fits ``round_bytes``, else *streamed* through rounds of
 at most ``stream_bytes`` per destination, the peers' parts read in place.
 
 Every method returns ``False`` (nothing done) when the group has no round transport (round 0
 tells, the same on every rank); the backend then takes the coordinator's steps
-(:mod:`raycoll.backends._store_steps`).
+(:mod:`raycoll.algorithms.store`).
 """
 
 from __future__ import annotations
@@ -15,17 +16,34 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll.backends._flat import copy_into, flat_in, flat_out, reduce_received
-from raycoll.backends.base import Call, GroupContext, chunk_bounds
+from raycoll.algorithms.flat import chunk_bounds, copy_into, flat_in, flat_out, reduce_received
+from raycoll.backends.base import Call, GroupContext
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.transport.base import PerPeer
 
-__all__ = ["RoundAlgorithms"]
+__all__ = ["DirectAlgorithms", "round_elems", "stream_rounds"]
 
 
-class RoundAlgorithms:
-    """The round algorithms of :class:`~raycoll.backends.objstore.ObjstoreBackend` (a base
+def round_elems(round_bytes: int, stream_bytes: int, itemsize: int, pieces: int,
+                oversubscribed: bool) -> int:
+    """Elements per destination and round when a rank sends ``pieces`` parts in a round of at
+    most ``round_bytes``: each part at most ``stream_bytes`` too (unless one part goes to
+    every peer alike on an oversubscribed node), and at least one element."""
+    per = round_bytes // max(1, pieces)
+    if pieces > 1 or not oversubscribed:
+        per = min(per, stream_bytes)
+    return max(1, per // max(1, itemsize))
+
+
+def stream_rounds(n: int, step: int) -> Iterator[Tuple[int, int, int]]:
+    """``(sub, lo, hi)``: the rounds that stream ``n`` elements, ``step`` per round."""
+    for sub, lo in enumerate(range(0, n, step)):
+        yield sub, lo, min(lo + step, n)
+
+
+class DirectAlgorithms:
+    """The round algorithms of :class:`~raycoll.backends.cpu.ObjstoreBackend` (a base
     class of it: they read its group and its round sizes)."""
 
     ctx: GroupContext
@@ -97,16 +115,12 @@ class RoundAlgorithms:
 
     def _round_elems(self, itemsize: int, pieces: int) -> int:
         """Elements per destination and round, when a rank sends ``pieces`` of them."""
-        per = self.round_bytes // max(1, pieces)
-        if pieces > 1 or not self.oversubscribed:
-            per = min(per, self.stream_bytes)
-        return max(1, per // max(1, itemsize))
+        return round_elems(self.round_bytes, self.stream_bytes, itemsize, pieces,
+                           self.oversubscribed)
 
     def _rounds(self, n: int, itemsize: int, pieces: int) -> Iterator[Tuple[int, int, int]]:
         """``(sub, lo, hi)``: the rounds streaming ``n`` elements per destination."""
-        step = self._round_elems(itemsize, pieces)
-        for sub, lo in enumerate(range(0, n, step)):
-            yield sub, lo, min(lo + step, n)
+        return stream_rounds(n, self._round_elems(itemsize, pieces))
 
     def _stream_reduce(self, src: np.ndarray, dst: Optional[int], op: ReduceOp, call: Call,
                        result: Optional[np.ndarray]) -> bool:

@@ -16,12 +16,10 @@ import ray
 from raycoll import errors
 from raycoll.backends import backend_config
 from raycoll.coordinator import coordinator_name, start_coordinator
-from raycoll.group import (
-    DEFAULT_TIMEOUT_S,
+from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec, ProcessGroup
+from raycoll.world import (
     NON_GROUP_MEMBER,
     GroupLike,
-    GroupSpec,
-    ProcessGroup,
     _NonMember,
     join_root_group,
     make_subgroup,

@@ -1,88 +1,16 @@
-"""The object-store backend: collectives on CPU arrays, in rounds of the group's round
-transport where it has one, else in steps through the coordinator and Ray's shared-memory
-object store.
+"""The cpu backend (registered as ``"objstore"``): collectives on CPU arrays.
 
-Each collective takes the first path that fits, the same on every rank:
+Each collective takes the first path that fits, the same on every rank: rounds of the
+group's round transport (:mod:`raycoll.transport`: the shared-memory lane on one node,
+direct connections across nodes), with the algorithms of :mod:`raycoll.algorithms.direct`;
+else steps through the coordinator and the Ray object store
+(:mod:`raycoll.algorithms.store`: the object collectives, ``transport="store"``, and what no
+round transport carries). Point-to-point goes over the group's direct connections where it
+has them, else through the coordinator.
 
-- **rounds of a round transport** (:mod:`raycoll.transport`; the algorithms are in
-  :mod:`raycoll.backends._rounds`), with no coordinator call at all: the shared-memory lane
-  (:mod:`raycoll.transport.lane`) whenever all ranks are actors on one node (at most
-  ``lane_max_ranks`` of them): each rank owns a Ray shared-memory channel, writes its part
-  there and reads its peers' parts. A collective whose every rank's message fits one *round*
-  (``round_bytes``: 1 MiB per destination when the ranks fit the node's cores, else
-  ``lane_bytes``, 4 MiB) takes one round; a larger one *streams* through rounds of that size
-  (``stream``, on by default), reading each peer's part in place from its channel, so the
-  data of a round stays in the caches between the writer's copy and the readers' pass, and
-  nothing is put in the object store. Used by all_reduce and reduce (per block of ``W``
-  chunks, reduce-scatter then all-gather: a round carries a block's pieces and the reduced
-  chunk of the block before), broadcast, all_gather(_into_tensor), gather, scatter,
-  reduce_scatter(_tensor), barrier and all_to_all(_single) (there the ranks' parts may differ
-  in size: in round 0 each sends its pieces if they fit and everyone's sizes, and every rank
-  derives the same schedule from them). The same rounds run over **direct connections**
-  (:mod:`raycoll.transport.tcp`) when the ranks span several nodes (``transport="tcp"``
-  forces it), in larger rounds (``TCP_ROUND_BYTES``, ``TCP_STREAM_BYTES``), each rank
-  sending each peer only its part (:class:`~raycoll.transport.base.PerPeer`);
-- **steps through the coordinator** (:mod:`raycoll.backends._store_steps`): the object
-  collectives, everything with ``transport="store"`` (or ``lane=False``), and what no round
-  transport carries. Every collective is then one or two *steps*; a step is one round trip
-  to the coordinator (:meth:`GroupContext.exchange`), which matches the ranks' arrivals and
-  routes what each rank sends to each other rank. What travels in a step:
-
-  - **inline**, when everything a rank sends in the step is at most ``inline_bytes``: the
-    arrays ride in the coordinator call itself (small ``all_reduce``/``reduce`` are reduced
-    by the coordinator: one round trip, no object store at all);
-  - **one object per step** (all ranks on one node): the pieces a rank sends to its peers are
-    put together in one ``ray.put`` of a list of arrays; each peer maps the object zero-copy
-    and takes its piece, so a step costs one put of exactly the bytes the peers need;
-  - **one object per destination** (ranks on several nodes): a peer pulls only the piece
-    meant for it; an object that several ranks of one node read (all-gather phases,
-    broadcast) is pulled once per node and then shared from that node's store (Ray's
-    per-node caching makes the inter-node part hierarchical).
-
-Point-to-point goes over direct connections where the group has them (its mailbox), else
-through the coordinator (inline, or one object).
-
-Readers reduce or copy straight from what they received (a peer's channel, a mapped object)
-into the output buffer; no rank ever materialises more than its inputs and outputs.
-
-The steps' algorithms (``W`` ranks, ``N`` bytes per rank's buffer):
-
-- ``all_reduce``: inline (the coordinator reduces) up to ``inline_bytes``; *direct* for two
-  ranks, and on one node up to ``direct_bytes`` or ``direct_max_ranks`` ranks (one step:
-  every rank puts its buffer once and reduces all of them in rank order, so every rank gets
-  bitwise the same result); otherwise reduce-scatter then all-gather (two steps; rank ``j``
-  reduces chunk ``j`` straight into its buffer; each rank puts ``(W-1)/W N`` then ``N/W`` and
-  reads as much: bandwidth-optimal, and across nodes no rank pulls a chunk it does not need);
-- ``reduce``: reduce-scatter, then the reduced chunks go to the root only;
-- ``reduce_scatter``: one step (peers' pieces in, own chunk reduced in one pass);
-- ``broadcast``, ``scatter``, ``gather``, ``all_gather``, ``all_to_all``: one step, each
-  byte put once by its owner and copied once by each reader that needs it.
-
-Arrays are put as flat segments of at most ``segment_bytes`` (8 MiB) inside one object.
-
-Object-store memory: a collective in rounds uses none beyond the lane's channels (a fixed
-``lane_bytes`` per rank, see :mod:`raycoll.transport.lane`). In steps every object is owned
-by the rank that put it, and referenced only while a step needs it: a step's objects are
-dropped by their owner once the next step has been matched (every reader arrived there, so it
-is done reading); objects of a collective's last step are dropped by the owner when the step
-is matched and by each reader once it has copied or reduced them (the coordinator keeps no
-reference once it has routed them). So the live data of one collective is at most what the
-ranks send in two consecutive steps: ``N`` per rank for ``all_reduce`` (direct: ``N``;
-reduce-scatter + all-gather: ``(W-1)/W N`` then ``N/W``), ``N`` for the root of ``broadcast``
-and of ``scatter`` (``(W-1)/W N``), ``N/W`` per rank for ``all_gather``, ``(W-1)/W`` of each
-rank's input for ``reduce_scatter`` and ``all_to_all`` — plus, across nodes, a secondary copy
-of each object pulled onto another node. Ray frees objects that went out of scope in batches
-(``RAY_free_objects_period_milliseconds``, by default every second), so back-to-back
-collectives keep up to a second's worth of their objects in the store until Ray's next batch;
-use is back at its baseline then. Measured peaks are in benchmarks/BENCHMARKS.md.
-
-Thresholds are group options (``create_group(..., options={...})``): ``lane`` (``False``:
-no shared-memory lane), ``lane_bytes``, ``lane_max_ranks``, ``stream`` (``False``: large
-collectives through the object store even where the group has a lane), ``stream_bytes``,
-``inline_bytes``, ``direct_bytes``, ``direct_max_ranks``, ``segment_bytes``, and
-``all_reduce_algo`` (``"inline"``, ``"direct"``, ``"rs_ag"``) or ``put`` (``"auto"``,
-``"combined"``, ``"per_peer"``) to force a choice when measuring. Why the thresholds are
-what they are: benchmarks/BENCHMARKS.md ("Algorithms, as chosen by measurement").
+The design (paths, thresholds, algorithms, object-store memory) is written once in
+``docs/transports.md``; why the thresholds are what they are: benchmarks/BENCHMARKS.md.
+The thresholds are group options (:class:`raycoll.GroupOptions`).
 """
 
 from __future__ import annotations
@@ -93,10 +21,10 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from raycoll import errors
-from raycoll.backends._flat import array_meta, copy_into, flat_in, flat_out
-from raycoll.backends._rounds import RoundAlgorithms
-from raycoll.backends._store_steps import Payload, StoreSteps
-from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, chunk_bounds
+from raycoll.algorithms.flat import array_meta, chunk_bounds, copy_into, flat_in, flat_out
+from raycoll.algorithms.direct import DirectAlgorithms
+from raycoll.algorithms.store import Payload, StoreSteps
+from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator.logic import meta_mismatch
 from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, finalize
@@ -135,7 +63,7 @@ TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
 
-class ObjstoreBackend(RoundAlgorithms, StoreSteps, CollectiveBackend):
+class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
     coordinator and the Ray object store (see the module docstring)."""
 
