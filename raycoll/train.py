@@ -146,7 +146,7 @@ class _RaycollBackend(Backend):
         self._generation = 0
         self._live: List[str] = []  # groups formed here and not destroyed yet
 
-    def on_start(self, worker_group: Any, backend_config: RaycollConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
         self._destroy_all()  # an aborted generation's group: Ray Train does not shut it down
         self._generation += 1
         name = f"raytrain-{self._run}-{self._generation}"
@@ -159,10 +159,10 @@ class _RaycollBackend(Backend):
         logger.info("raycoll group %r formed over %d Ray Train workers", name, len(actors))
         worker_group.execute(_init_torch, float(backend_config.timeout_s))
 
-    def on_training_start(self, worker_group: Any, backend_config: RaycollConfig) -> None:
+    def on_training_start(self, worker_group: Any, backend_config: Any) -> None:
         pass  # Train v2: everything happened in on_start
 
-    def on_shutdown(self, worker_group: Any, backend_config: RaycollConfig) -> None:
+    def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
         try:
             ray.get(worker_group.execute_async(_shutdown_torch), timeout=30)
         except Exception:  # noqa: BLE001 - a dead worker: its peers' groups go below anyway
