@@ -197,7 +197,8 @@ def _rank_and_size(url: str) -> Tuple[int, int]:
             "init_process_group(backend='raycoll') runs inside a raycoll rank, and this process "
             "has no raycoll group: start it with raycoll.spawn(fn, world_size), "
             "raycoll.create_group(actors) from the driver, or raycoll.init_process_group(...) "
-            "here first")
+            "here first (under Ray Train: TorchTrainer(..., "
+            "torch_config=raycoll.train.RaycollConfig()), not TorchConfig(backend='raycoll'))")
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
     for key, env, have in (("rank", "RANK", pg.rank()), ("world_size", "WORLD_SIZE", pg.size())):
         for where, text in ((f"{key}=", query.get(key)), (f"${env}=", os.environ.get(env))):

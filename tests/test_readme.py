@@ -31,7 +31,7 @@ BLOCK_TIMEOUT_S = 90
 #: The modules an extra named by ``<!-- requires: NAME -->`` must make importable.
 EXTRAS = {
     "torch": ["torch"],
-    "train": ["torch", "ray.train.torch", "raycoll.train"],
+    "train": ["torch", "ray.train.torch"],
 }
 
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
