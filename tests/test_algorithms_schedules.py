@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from raycoll.algorithms.executor import run_threads, simulate
-from raycoll.algorithms.schedule import ALGORITHMS, Schedule, blocks, build, validate
+from raycoll.algorithms.catalog import build
+from raycoll.algorithms.schedule import ALGORITHMS, Schedule, blocks, validate
 from raycoll.algorithms.topology import Topology
 from raycoll.reduce_op import ReduceOp
 

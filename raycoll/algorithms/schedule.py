@@ -19,18 +19,17 @@ block: the first ``n % W`` blocks have one element more):
 
 :attr:`Schedule.results` says, per rank, which range holds a result (the executor applies an
 op's final step, AVG's division, there). The families live in :mod:`.mesh` (direct),
-:mod:`.ring`, :mod:`.doubling`, :mod:`.tree` and :mod:`.hierarchical`; :func:`build` is the one
-entry point. This module is plain Python: no arrays move here.
+:mod:`.ring`, :mod:`.doubling`, :mod:`.tree` and :mod:`.hierarchical`; :func:`raycoll.algorithms.catalog.build`
+is the one entry point. This module is plain Python: no arrays move here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from raycoll.algorithms.topology import Topology
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "Schedule", "Step", "Transfer", "blocks", "build",
+__all__ = ["ALGORITHMS", "COLLECTIVES", "Schedule", "Step", "Transfer", "blocks",
            "check_algorithm", "in_parallel", "validate"]
 
 
@@ -118,73 +117,6 @@ def check_algorithm(collective: str, algorithm: str) -> None:
     if algorithm not in ALGORITHMS[collective]:
         raise ValueError(f"{collective}_algo: expected one of "
                          f"{', '.join(ALGORITHMS[collective])}, got {algorithm!r}")
-
-
-def _builders() -> Dict[Tuple[str, str], Callable[[Topology, int, int], List[Step]]]:
-    from raycoll.algorithms import doubling, hierarchical, mesh, ring, tree
-
-    return {
-        ("all_reduce", "direct"): mesh.all_reduce,
-        ("all_reduce", "direct_rsag"): mesh.all_reduce_rsag,
-        ("all_reduce", "ring"): ring.all_reduce,
-        ("all_reduce", "recursive_doubling"): doubling.all_reduce_doubling,
-        ("all_reduce", "halving_doubling"): doubling.all_reduce_halving_doubling,
-        ("all_reduce", "hierarchical"): hierarchical.all_reduce,
-        ("all_reduce", "hierarchical_doubling"): hierarchical.all_reduce_doubling,
-        ("reduce_scatter", "direct"): mesh.reduce_scatter,
-        ("reduce_scatter", "ring"): ring.reduce_scatter,
-        ("reduce_scatter", "halving"): doubling.reduce_scatter_halving,
-        ("all_gather", "direct"): mesh.all_gather,
-        ("all_gather", "ring"): ring.all_gather,
-        ("all_gather", "recursive_doubling"): doubling.all_gather_doubling,
-        ("broadcast", "direct"): mesh.broadcast,
-        ("broadcast", "binomial"): tree.broadcast_binomial,
-        ("broadcast", "scatter_allgather"): tree.broadcast_scatter_allgather,
-        ("broadcast", "hierarchical"): hierarchical.broadcast,
-        ("reduce", "direct"): mesh.reduce,
-        ("reduce", "binomial"): tree.reduce_binomial,
-        ("reduce", "rsgather"): tree.reduce_rsgather,
-    }
-
-
-def _results(collective: str, world: int, n: int, root: int) -> Tuple[Tuple[int, int], ...]:
-    if collective == "reduce_scatter":
-        return tuple(blocks(0, n, world))
-    if collective == "reduce":
-        return tuple((0, n) if r == root else (0, 0) for r in range(world))
-    return tuple((0, n) for _ in range(world))
-
-
-def build(collective: str, algorithm: str, topology: Topology, n: int,
-          root: int = 0, chunks: int = 1) -> Schedule:
-    """The schedule of ``algorithm`` for ``collective`` over ``n`` elements on ``topology``.
-
-    ``root`` is the group rank of broadcast's source and reduce's destination (ignored
-    elsewhere). ``chunks`` (ring only) cuts each ring block into that many messages, so that a
-    receiver can reduce one while the next arrives."""
-    check_algorithm(collective, algorithm)
-    world = topology.world_size
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: expected a number of elements >= 0, got {n!r}")
-    if not isinstance(root, int) or not 0 <= root < world:
-        raise ValueError(f"root: expected a group rank in [0, {world}), got {root!r}")
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks: expected an int >= 1, got {chunks!r}")
-    if chunks > 1 and algorithm != "ring":
-        raise ValueError(f"chunks: only the ring algorithm is chunked, got chunks={chunks} "
-                         f"with {collective}_algo={algorithm!r}")
-    if world == 1:
-        steps: List[Step] = []
-    elif algorithm == "ring":
-        from raycoll.algorithms import ring
-
-        steps = ring.build(collective, world, n, chunks)
-    else:
-        builder = _builders()[(collective, algorithm)]
-        steps = builder(topology, n, root)
-    frozen = tuple(tuple(s) for s in steps if s)
-    return Schedule(collective, algorithm, world, n, root, frozen,
-                    _results(collective, world, n, root))
 
 
 def validate(schedule: Schedule) -> None:
