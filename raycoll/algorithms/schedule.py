@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-
 __all__ = ["ALGORITHMS", "COLLECTIVES", "Schedule", "Step", "Transfer", "blocks",
            "check_algorithm", "in_parallel", "validate"]
 
