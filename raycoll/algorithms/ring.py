@@ -25,33 +25,31 @@ def _send(src: int, dst: int, lo: int, hi: int, reduce: bool, chunks: int) -> Li
     return [Transfer(src, dst, a, b, reduce) for a, b in blocks(lo, hi, chunks) if b > a]
 
 
-def reduce_scatter_steps(ranks: Sequence[int], lo: int, hi: int,
-                         chunks: int = 1) -> List[Step]:
-    """Ring reduce-scatter of ``[lo, hi)`` over ``ranks``: ``ranks[i]`` ends with block ``i``."""
+def _ring_steps(ranks: Sequence[int], lo: int, hi: int, chunks: int, lag: int,
+                reduce: bool) -> List[Step]:
+    """W-1 ring steps over ``[lo, hi)``: at step ``s`` each ``ranks[i]`` sends block
+    ``i - s - lag`` to its right neighbour, reducing it there or copying it."""
     k = len(ranks)
     parts = blocks(lo, hi, k)
     steps: List[Step] = []
     for s in range(k - 1):
         step: Step = []
         for i in range(k):
-            a, b = parts[(i - s - 1) % k]
-            step += _send(ranks[i], ranks[(i + 1) % k], a, b, True, chunks)
+            a, b = parts[(i - s - lag) % k]
+            step += _send(ranks[i], ranks[(i + 1) % k], a, b, reduce, chunks)
         steps.append(step)
     return steps
+
+
+def reduce_scatter_steps(ranks: Sequence[int], lo: int, hi: int,
+                         chunks: int = 1) -> List[Step]:
+    """Ring reduce-scatter of ``[lo, hi)`` over ``ranks``: ``ranks[i]`` ends with block ``i``."""
+    return _ring_steps(ranks, lo, hi, chunks, lag=1, reduce=True)
 
 
 def all_gather_steps(ranks: Sequence[int], lo: int, hi: int, chunks: int = 1) -> List[Step]:
     """Ring all-gather of ``[lo, hi)`` over ``ranks``: ``ranks[i]`` starts with block ``i``."""
-    k = len(ranks)
-    parts = blocks(lo, hi, k)
-    steps: List[Step] = []
-    for s in range(k - 1):
-        step: Step = []
-        for i in range(k):
-            a, b = parts[(i - s) % k]
-            step += _send(ranks[i], ranks[(i + 1) % k], a, b, False, chunks)
-        steps.append(step)
-    return steps
+    return _ring_steps(ranks, lo, hi, chunks, lag=0, reduce=False)
 
 
 def build(collective: str, world: int, n: int, chunks: int = 1) -> List[Step]:
