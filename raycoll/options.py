@@ -40,10 +40,8 @@ class GroupOptions:
 
     Transports (see :mod:`raycoll.transport`):
 
-    - ``transport``: ``"auto"``, ``"lane"``, ``"tcp"`` or ``"store"`` (``None``: ``"auto"``,
-      or ``"store"`` when ``lane=False``);
-    - ``lane``: ``False`` keeps the group off the shared-memory lane (the older spelling of
-      ``transport="store"``);
+    - ``transport``: ``"auto"``, ``"lane"``, ``"tcp"`` or ``"store"`` (``None``: ``"auto"``);
+      ``"store"`` keeps the group off the shared-memory lane and direct connections;
     - ``lane_bytes``: int >= 0, the most a rank sends in one round (``None``: 4 MiB, 16 MiB on
       direct connections); each rank's lane channel is allocated at this size;
     - ``lane_max_ranks``: int >= 0, no lane for groups larger than this (``None``: twice the
@@ -75,7 +73,6 @@ class GroupOptions:
     """
 
     transport: Optional[str] = None
-    lane: bool = True
     lane_bytes: Optional[int] = None
     lane_max_ranks: Optional[int] = None
     lane_yield_s: Optional[float] = None
@@ -108,6 +105,8 @@ class GroupOptions:
             raise TypeError("options must be a dict of group options or a GroupOptions, got "
                             f"{type(options).__name__}")
         for key in options:
+            if key == "lane":
+                raise ValueError(_REMOVED_LANE)
             if key not in _NAMES:
                 raise ValueError(_unknown(key))
         return cls(**dict(options))
@@ -119,6 +118,11 @@ OptionsLike = Union[GroupOptions, Mapping[str, Any], None]
 def or_default(value: Optional[T], default: T) -> T:
     """An option's value, or ``default`` where it was left at ``None``."""
     return default if value is None else value
+
+
+#: The error for the removed ``lane`` option (``lane=False`` was an old spelling).
+_REMOVED_LANE = ("group option 'lane' was removed: use transport='store' to keep a group off "
+                 "the shared-memory lane (and transport='auto', the default, for lane=True)")
 
 
 def _unknown(key: Any) -> str:
@@ -157,7 +161,6 @@ def _choice(values: Tuple[str, ...], optional: bool) -> Tuple[Callable[[Any], bo
 
 _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "transport": _choice(TRANSPORTS, optional=True),
-    "lane": _flag(optional=False),
     "lane_bytes": _count(0),
     "lane_max_ranks": _count(0),
     "lane_yield_s": _seconds(),

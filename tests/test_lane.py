@@ -60,7 +60,7 @@ def _small_collectives(rank: int) -> Dict[str, Any]:
 def test_small_collectives_go_through_the_lane_with_the_coordinators_results(ranks):
     w = 3
     on_lane = ranks.run(_small_collectives, 3)
-    off_lane = ranks.run(_small_collectives, 3, options={"lane": False})
+    off_lane = ranks.run(_small_collectives, 3, options={"transport": "store"})
     for rank, (a, b) in enumerate(zip(on_lane, off_lane)):
         assert a["lane_calls"] == 7, a  # every collective but the first (which set it up)
         assert b["lane_calls"] == 0, b

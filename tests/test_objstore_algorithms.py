@@ -154,11 +154,11 @@ def _expected_route(case: str, nbytes: int) -> Tuple[str, Any, Tuple[str, ...]]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("options", [
-    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000, "lane": False},
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "segment_bytes": 1000, "transport": "store"},
     {"all_reduce_algo": "direct", "inline_bytes": 0, "segment_bytes": 1000, "put": "per_peer",
-     "lane": False},
-    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "put": "per_peer", "lane": False},
-    {"all_reduce_algo": "inline", "lane": False},
+     "transport": "store"},
+    {"all_reduce_algo": "rs_ag", "inline_bytes": 0, "put": "per_peer", "transport": "store"},
+    {"all_reduce_algo": "inline", "transport": "store"},
     {},
     {"lane_bytes": 4096},
     {"lane_bytes": 4096, "stream": False},

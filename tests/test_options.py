@@ -49,18 +49,18 @@ def test_an_unknown_key_names_it_its_close_matches_and_the_valid_keys():
 
 def test_an_unknown_key_without_a_close_match_lists_the_valid_keys():
     with pytest.raises(ValueError, match=r"unknown group option 'by_name'; the group options "
-                                         r"are: transport, lane, "):
+                                         r"are: transport, lane_bytes, "):
         GroupOptions.of({"by_name": True})
 
 
 def test_options_that_are_not_a_mapping_are_refused():
     with pytest.raises(TypeError, match="options must be a dict of group options or a "
                                         "GroupOptions, got list"):
-        GroupOptions.of([("lane", False)])  # type: ignore[arg-type]
+        GroupOptions.of([("stream", False)])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name,value", [
-    ("transport", "udp"), ("transport", 1), ("lane", 0), ("lane", None), ("lane_bytes", -1),
+    ("transport", "udp"), ("transport", 1), ("lane_bytes", -1),
     ("lane_bytes", "4M"), ("lane_bytes", True), ("lane_bytes", 4096.0), ("lane_max_ranks", -1),
     ("lane_yield_s", -0.5), ("lane_yield_s", float("nan")), ("lane_yield_s", "1"),
     ("stream", "yes"), ("stream_bytes", 0), ("inline_bytes", -1), ("direct_bytes", 1.5),
@@ -75,7 +75,7 @@ def test_a_bad_value_names_the_option_what_was_expected_and_what_came(name: str,
 
 
 @pytest.mark.parametrize("name,value", [
-    ("transport", "tcp"), ("lane", False), ("lane_bytes", 0), ("lane_max_ranks", 0),
+    ("transport", "tcp"), ("transport", "store"), ("lane_bytes", 0), ("lane_max_ranks", 0),
     ("lane_yield_s", 0), ("lane_yield_s", 0.25), ("stream", False), ("stream_bytes", 1),
     ("inline_bytes", 0), ("direct_bytes", 0), ("direct_max_ranks", 8), ("segment_bytes", 1),
     ("all_reduce_algo", "rs_ag"), ("put", "per_peer"), ("nccl_blocking_wait", False),
@@ -88,10 +88,13 @@ def test_or_default_keeps_a_given_zero_and_fills_none():
     assert or_default(0, 5) == 0 and or_default(None, 5) == 5 and or_default(False, True) is False
 
 
-def test_the_transport_option_and_its_older_spelling():
+def test_the_transport_option_and_the_removed_lane_spelling():
     assert _transport_option(GroupOptions()) == "auto"
-    assert _transport_option(GroupOptions(lane=False)) == "store"
-    assert _transport_option(GroupOptions(lane=False, transport="tcp")) == "tcp"
+    assert _transport_option(GroupOptions(transport="store")) == "store"
+    with pytest.raises(ValueError, match=r"'lane' was removed: use transport='store'"):
+        GroupOptions.of({"lane": False})
+    with pytest.raises(TypeError):
+        GroupOptions(lane=False)  # type: ignore[call-arg]
 
 
 # ---------------------------------------------------------------------- on Ray

@@ -89,8 +89,8 @@ def _step_kind(mode: str, payload: Any) -> str:
 
 
 def _transport_option(options: GroupOptions) -> str:
-    """The group option ``transport`` (``lane=False`` is the old spelling of ``"store"``)."""
-    return or_default(options.transport, "auto" if options.lane else "store")
+    """The group option ``transport`` (``None`` is ``"auto"``)."""
+    return or_default(options.transport, "auto")
 
 
 class GroupContext:

@@ -64,7 +64,7 @@ with 8 and 16 ranks on 2 cores).
 The lane is set up by the group's first collective that can use it, inside that collective:
 the ranks exchange their channels through the coordinator (one extra round trip, once per
 group) and all switch to the lane together, or all stay off it if any rank could not open its
-channel. Group option ``transport="store"`` (or ``lane=False``) keeps every collective on
+channel. Group option ``transport="store"`` keeps every collective on
 the coordinator; the object collectives always use it, and point-to-point goes over direct
 connections (raycoll.transport.tcp).
 """
@@ -146,8 +146,8 @@ def oversubscribed(size: int) -> bool:
 
 def lane_possible(ctx: "GroupContext") -> bool:
     """Whether group ``ctx`` can use a lane: 2+ ranks, all actors, all on this node, this
-    process being the rank's actor, and the group option ``lane`` not switched off."""
-    if ctx.size < 2 or not ctx.options.lane or not ctx.single_node:
+    process being the rank's actor (the caller checks the group option ``transport``)."""
+    if ctx.size < 2 or not ctx.single_node:
         return False
     if ctx.size > or_default(ctx.options.lane_max_ranks, 2 * node_cores()):
         return False  # polling W - 1 channels on each of W oversubscribed ranks loses
