@@ -8,7 +8,8 @@ collective. The layers below read attributes (``options.lane_bytes``). An option
 example ``lane_bytes`` is larger for groups on direct connections); :func:`or_default` reads
 it so.
 
-This module imports nothing of raycoll: every layer may use it.
+This module imports only the plain-Python names of :mod:`raycoll.algorithms` (the
+algorithms a group may be forced to, the cost model's check): every layer may use it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,22 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
 
-__all__ = ["GroupOptions", "OptionsLike", "or_default", "TRANSPORTS", "ALL_REDUCE_ALGOS", "PUTS"]
+from raycoll.algorithms.schedule import ALGORITHMS
+
+__all__ = ["GroupOptions", "OptionsLike", "or_default", "TRANSPORTS", "ALL_REDUCE_ALGOS", "PUTS",
+           "SCHEDULED"]
 
 #: The values of the option ``transport``.
 TRANSPORTS = ("auto", "lane", "tcp", "store")
-#: The values of the option ``all_reduce_algo`` (``None``: chosen per call).
-ALL_REDUCE_ALGOS = ("inline", "direct", "rs_ag")
+#: The options that force one collective's algorithm on direct connections, and the
+#: collective each forces (values: :data:`raycoll.algorithms.schedule.ALGORITHMS`).
+SCHEDULED = {"all_reduce_algo": "all_reduce", "reduce_scatter_algo": "reduce_scatter",
+             "all_gather_algo": "all_gather", "broadcast_algo": "broadcast",
+             "reduce_algo": "reduce"}
+#: The values of the option ``all_reduce_algo`` (``None``: chosen per call): the steps
+#: through the coordinator (``inline``, ``direct``, ``rs_ag``) and the algorithms over
+#: direct connections.
+ALL_REDUCE_ALGOS = ("inline", "rs_ag") + ALGORITHMS["all_reduce"]
 #: The values of the option ``put``.
 PUTS = ("auto", "combined", "per_peer")
 
@@ -62,8 +73,17 @@ class GroupOptions:
       one-step ``all_reduce`` on one node (``None``: 1 MiB and 4 ranks);
     - ``segment_bytes``: int >= 1, arrays are put as segments of at most this size
       (``None``: 8 MiB);
-    - ``all_reduce_algo``: ``"inline"``, ``"direct"``, ``"rs_ag"``, or ``None`` (chosen per
-      call);
+    - ``all_reduce_algo``: through the coordinator ``"inline"``, ``"direct"`` or ``"rs_ag"``;
+      over direct connections ``"direct"``, ``"direct_rsag"``, ``"ring"``,
+      ``"recursive_doubling"``, ``"halving_doubling"``, ``"hierarchical"`` or
+      ``"hierarchical_doubling"``; ``None``: chosen per call (a choice the group's path
+      does not have is left to it);
+    - ``reduce_scatter_algo``, ``all_gather_algo``, ``broadcast_algo``, ``reduce_algo``: the
+      algorithm of that collective over direct connections (the names of
+      :data:`raycoll.algorithms.schedule.ALGORITHMS`), or ``None``: the cost model's choice;
+    - ``cost_model``: the cost model's link costs, ``{"tcp": {"alpha": s, "beta": s},
+      "unix": ..., "gamma": s}`` (any subset; ``raycoll-bench --calibrate`` prints one), or
+      ``None``: the defaults measured here (:mod:`raycoll.algorithms.cost`);
     - ``put``: ``"auto"``, ``"combined"`` or ``"per_peer"``.
 
     GPU (:mod:`raycoll.backends.nccl`):
@@ -83,6 +103,11 @@ class GroupOptions:
     direct_max_ranks: Optional[int] = None
     segment_bytes: Optional[int] = None
     all_reduce_algo: Optional[str] = None
+    reduce_scatter_algo: Optional[str] = None
+    all_gather_algo: Optional[str] = None
+    broadcast_algo: Optional[str] = None
+    reduce_algo: Optional[str] = None
+    cost_model: Optional[Mapping[str, Any]] = None
     put: str = "auto"
     nccl_blocking_wait: Optional[bool] = None
 
@@ -159,6 +184,20 @@ def _choice(values: Tuple[str, ...], optional: bool) -> Tuple[Callable[[Any], bo
     return ok, f"one of {values}{' or None' if optional else ''}"
 
 
+def _cost_model() -> Tuple[Callable[[Any], bool], str]:
+    def ok(v: Any) -> bool:
+        from raycoll.algorithms.cost import CostModel
+
+        try:
+            CostModel.of(v)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    return ok, ("None or a dict of link costs like {'tcp': {'alpha': 5e-05, 'beta': 4e-10}} "
+                "(keys lane, unix, tcp, gamma; seconds >= 0)")
+
+
 _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "transport": _choice(TRANSPORTS, optional=True),
     "lane_bytes": _count(0),
@@ -171,6 +210,9 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "direct_max_ranks": _count(0),
     "segment_bytes": _count(1),
     "all_reduce_algo": _choice(ALL_REDUCE_ALGOS, optional=True),
+    **{name: _choice(ALGORITHMS[coll], optional=True) for name, coll in SCHEDULED.items()
+       if name != "all_reduce_algo"},
+    "cost_model": _cost_model(),
     "put": _choice(PUTS, optional=False),
     "nccl_blocking_wait": _flag(optional=True),
 }

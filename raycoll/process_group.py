@@ -210,6 +210,17 @@ class ProcessGroup:
         or ``None`` before the first one. Read-only; for tests and debugging."""
         return self.context.last_route
 
+    def counters(self) -> Dict[str, Any]:
+        """This rank's traffic on the group's direct connections, exact (for tests, tuning
+        and ``group_status``): ``{"collectives": {op: counts}, "sockets": n, "p2p_sockets":
+        n, "peak_recv_buffer_bytes": n}``, where ``counts`` has the bytes sent and received
+        to ranks on the same node and on other nodes, the messages each way, the rounds this
+        rank took part in and its distinct peers
+        (:data:`raycoll.transport.counters.COUNTER_NAMES`), summed since the group formed.
+        Empty ``collectives`` where the group has no direct connections (the lane, the
+        store)."""
+        return self.context.counters()
+
     def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
         """Every rank's small ``payload`` for ``call``, by group rank, through the round
         transport; ``None`` when the group has none."""

@@ -64,7 +64,7 @@ def test_options_that_are_not_a_mapping_are_refused():
     ("lane_bytes", "4M"), ("lane_bytes", True), ("lane_bytes", 4096.0), ("lane_max_ranks", -1),
     ("lane_yield_s", -0.5), ("lane_yield_s", float("nan")), ("lane_yield_s", "1"),
     ("stream", "yes"), ("stream_bytes", 0), ("inline_bytes", -1), ("direct_bytes", 1.5),
-    ("direct_max_ranks", False), ("segment_bytes", 0), ("all_reduce_algo", "ring"),
+    ("direct_max_ranks", False), ("segment_bytes", 0), ("all_reduce_algo", "binomial"),
     ("put", None), ("put", "sometimes"), ("nccl_blocking_wait", 1),
 ])
 def test_a_bad_value_names_the_option_what_was_expected_and_what_came(name: str, value: Any):

@@ -23,7 +23,8 @@ import numpy as np
 from raycoll.algorithms.schedule import Schedule
 from raycoll.reduce_op import ReduceOp, combine, finalize
 
-__all__ = ["PeerTransport", "ThreadTransport", "execute", "run_threads", "simulate"]
+__all__ = ["PeerTransport", "ThreadTransport", "combining_op", "execute", "finish", "run_threads",
+           "simulate"]
 
 _REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
@@ -48,12 +49,15 @@ def _check(schedule: Schedule, buffer: np.ndarray, rank: int) -> np.ndarray:
     return buffer.reshape(-1)
 
 
-def _premul(op: ReduceOp) -> ReduceOp:
-    """AVG and PREMUL_SUM reduce as SUM; the rest goes on in :func:`finalize`."""
+def combining_op(op: ReduceOp) -> ReduceOp:
+    """The op each transfer reduces with: AVG and PREMUL_SUM reduce as SUM (the rest goes on
+    in :func:`finish`)."""
     return ReduceOp.SUM if op.name in ("AVG", "PREMUL_SUM") else op
 
 
-def _finish(schedule: Schedule, flat: np.ndarray, rank: int, op: ReduceOp) -> None:
+def finish(schedule: Schedule, flat: np.ndarray, rank: int, op: ReduceOp) -> None:
+    """Apply ``op``'s final step (AVG's division, PREMUL_SUM's factor) to rank ``rank``'s
+    result range."""
     if schedule.collective in _REDUCING:
         lo, hi = schedule.results[rank]
         if hi > lo:
@@ -66,7 +70,7 @@ def execute(schedule: Schedule, rank: int, buffer: np.ndarray, op: ReduceOp,
     if not 0 <= rank < schedule.world_size:
         raise ValueError(f"rank: expected a rank in [0, {schedule.world_size}), got {rank!r}")
     flat = _check(schedule, buffer, rank)
-    combine_op = _premul(op)
+    combine_op = combining_op(op)
     for sends, recvs in schedule.per_rank(rank):
         for t in sends:
             transport.send(t.dst, flat[t.lo:t.hi].copy())
@@ -79,7 +83,7 @@ def execute(schedule: Schedule, rank: int, buffer: np.ndarray, op: ReduceOp,
                 combine(combine_op, flat[t.lo:t.hi], data)
             else:
                 flat[t.lo:t.hi] = data
-    _finish(schedule, flat, rank, op)
+    finish(schedule, flat, rank, op)
 
 
 def simulate(schedule: Schedule, buffers: Sequence[np.ndarray], op: ReduceOp) -> None:
@@ -88,7 +92,7 @@ def simulate(schedule: Schedule, buffers: Sequence[np.ndarray], op: ReduceOp) ->
         raise ValueError(f"buffers: expected {schedule.world_size} (one a rank), "
                          f"got {len(buffers)}")
     flats = [_check(schedule, b, r) for r, b in enumerate(buffers)]
-    combine_op = _premul(op)
+    combine_op = combining_op(op)
     for step in schedule.steps:
         payloads = [flats[t.src][t.lo:t.hi].copy() for t in step]
         for t, data in zip(step, payloads):
@@ -97,7 +101,7 @@ def simulate(schedule: Schedule, buffers: Sequence[np.ndarray], op: ReduceOp) ->
             else:
                 flats[t.dst][t.lo:t.hi] = data
     for r, flat in enumerate(flats):
-        _finish(schedule, flat, r, op)
+        finish(schedule, flat, r, op)
 
 
 class ThreadTransport:

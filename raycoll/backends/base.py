@@ -75,6 +75,9 @@ class Route:
     #: rounds of that round transport the collective took on this rank
     rounds: int
     steps: Tuple[str, ...]
+    #: the scheduled algorithm that ran (:mod:`raycoll.algorithms.scheduled`), or ``None``
+    #: (the direct exchange, or steps through the coordinator)
+    algorithm: Optional[str] = None
 
 
 def _step_kind(mode: str, payload: Any) -> str:
@@ -136,6 +139,7 @@ class GroupContext:
         self._route_of: Optional[Tuple[str, int]] = None
         self._route_rounds = 0
         self._route_steps: List[str] = []
+        self._route_algorithm: Optional[str] = None
         if self.transport != "store" and self.size > 1:
             from raycoll.transport import tcp
 
@@ -209,11 +213,41 @@ class GroupContext:
         self._note(call, 1, None)
         return plane.all_gather(call, payload, sub, views)
 
+    def sparse_transport(self, call: Call) -> Any:
+        """The group's round transport if it can pair ranks (direct connections: a step of
+        a schedule goes only between the ranks it pairs), else ``None``; the same on every
+        rank. Set up here if this is the group's first collective on it."""
+        if self.planned_transport() != "tcp":
+            return None
+        plane = self._plane
+        if plane is None:
+            plane = self._set_up_plane(call)
+        return plane if plane and plane.sparse else None
+
+    def counters(self) -> Dict[str, Any]:
+        """This rank's traffic on the group's direct connections (see
+        ``ProcessGroup.counters``)."""
+        plane = self._plane
+        per_op = getattr(plane, "counters", {}) if plane else {}
+        return {
+            "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
+            "sockets": self._links.sockets("coll") if self._links is not None else 0,
+            "p2p_sockets": self._links.sockets("p2p") if self._links is not None else 0,
+            "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
+        }
+
+    def note_rounds(self, call: Call, rounds: int, algorithm: str) -> None:
+        """Count ``rounds`` rounds of ``call`` by scheduled ``algorithm`` on the round
+        transport into the last route."""
+        self._note(call, rounds, None)
+        self._route_algorithm = algorithm
+
     def _note(self, call: Call, rounds: int, step: Optional[str]) -> None:
         """Count a round or a step of ``call`` into the route of the last collective."""
         if self._route_of != (call.op, call.seq):
             self._route_of = (call.op, call.seq)
             self._route_rounds, self._route_steps = 0, []
+            self._route_algorithm = None
         self._route_rounds += rounds
         if step is not None:
             self._route_steps.append(step)
@@ -225,7 +259,7 @@ class GroupContext:
         if self._route_of is None:
             return None
         return Route(self._route_of[0], self._route_of[1], self.transport_name,
-                     self._route_rounds, tuple(self._route_steps))
+                     self._route_rounds, tuple(self._route_steps), self._route_algorithm)
 
     def _set_up_plane(self, call: Call) -> Any:
         """Decide, inside ``call`` and identically on every rank, which round transport the
@@ -252,9 +286,8 @@ class GroupContext:
 
         if self.transport in ("auto", "lane") and _lane_mod.lane_possible(self):
             return "lane"
-        if self._links is not None and (self.transport == "tcp" or (
-                self.transport == "auto" and not self.single_node)):
-            return "tcp"
+        if self._links is not None and self.transport in ("tcp", "auto"):
+            return "tcp"  # across nodes, or too many ranks on one node for the lane
         return "store"
 
     def _set_up_lane(self, call: Call) -> Any:

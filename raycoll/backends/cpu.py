@@ -23,6 +23,7 @@ import numpy as np
 from raycoll import errors
 from raycoll.algorithms.flat import array_meta, chunk_bounds, copy_into, flat_in, flat_out
 from raycoll.algorithms.direct import DirectAlgorithms
+from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator.logic import meta_mismatch
@@ -58,12 +59,15 @@ SEGMENT_BYTES = 8 << 20
 #: and the readers' pass over it (benchmarks/BENCHMARKS.md, "Streaming rounds").
 STREAM_BYTES = 1 << 20
 
+#: The all_reduce algorithms of the steps through the coordinator.
+STORE_ALGOS = ("inline", "direct", "rs_ag")
+
 #: The defaults of ``lane_bytes`` and ``stream_bytes`` for groups on direct connections.
 TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
 
-class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
+class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
     coordinator and the Ray object store (see the module docstring)."""
 
@@ -101,7 +105,9 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
         self.direct_bytes = or_default(opts.direct_bytes, DIRECT_BYTES)
         self.direct_max_ranks = or_default(opts.direct_max_ranks, DIRECT_MAX_RANKS)
         self.segment_bytes = or_default(opts.segment_bytes, SEGMENT_BYTES)
-        self.algo: Optional[str] = opts.all_reduce_algo
+        # the coordinator's all_reduce steps (the schedules' names: ScheduledAlgorithms)
+        self.algo = opts.all_reduce_algo if opts.all_reduce_algo in STORE_ALGOS else None
+        self._init_scheduled()
         self.combined = opts.put == "combined" or (opts.put == "auto" and ctx.single_node)
 
     # ------------------------------------------------------------------ one step, either way
@@ -147,6 +153,8 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
         with flat_out(arr) as flat:
+            if self._scheduled("all_reduce", flat, op, call):
+                return
             if self._streams(flat.nbytes, self.reduce_round_bytes) \
                     and self._stream_reduce(flat, None, op, call, flat):
                 return
@@ -172,6 +180,13 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
+        if me != dst:  # a schedule reduces in the buffer: not in the caller's
+            if self._scheduled("reduce", np.array(flat_in(arr)), op, call, root=dst):
+                return
+        else:
+            with flat_out(arr) as flat:
+                if self._scheduled("reduce", flat, op, call, root=dst):
+                    return
         if self._streams(arr.nbytes, self.reduce_round_bytes):
             if me != dst:
                 if self._stream_reduce(flat_in(arr), dst, op, call, None):
@@ -222,6 +237,12 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
 
     def _reduce_scatter(self, pieces: Sequence[np.ndarray], flat: np.ndarray, op: ReduceOp,
                         call: Call) -> None:
+        if all(p.size == flat.size and p.dtype == flat.dtype for p in pieces):
+            whole = np.concatenate(pieces) if pieces else flat[:0]
+            if self._scheduled("reduce_scatter", whole, op, call):
+                me, n = self.ctx.rank, flat.size
+                np.copyto(flat, whole[me * n:(me + 1) * n])
+                return
         if self._streams(flat.nbytes * (self.ctx.size - 1)) \
                 and self._stream_reduce_scatter(pieces, flat, op, call):
             return
@@ -231,6 +252,9 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
+        with flat_out(arr) as flat:
+            if self._scheduled("broadcast", flat, None, call, root=src):
+                return
         if self._streams(arr.nbytes):
             with flat_out(arr) as flat:
                 if self._stream_broadcast(flat, src, call):
@@ -270,6 +294,15 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
     def _gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
+        if root is None and len(outs) == self.ctx.size \
+                and all(o.size == mine.size and o.dtype == mine.dtype for o in outs):
+            me, n = self.ctx.rank, mine.size
+            whole = np.empty(n * self.ctx.size, dtype=mine.dtype)
+            whole[me * n:(me + 1) * n] = flat_in(mine)
+            if self._scheduled("all_gather", whole, None, call):
+                for j, o in enumerate(outs):
+                    copy_into(o, [whole[j * n:(j + 1) * n]])
+                return
         if self._streams(mine.nbytes):
             with ExitStack() as stack:
                 flats = [stack.enter_context(flat_out(o)) for o in outs]
@@ -369,7 +402,9 @@ class ObjstoreBackend(DirectAlgorithms, StoreSteps, CollectiveBackend):
     def barrier(self, call: Call) -> None:
         # monitored_barrier stays on the coordinator: it reports who is missing, and does not
         # break the group when it times out
-        if call.op == "barrier" and self.ctx.gather_round(call, None) is not None:
+        if call.op == "barrier" and (
+                self._scheduled("all_reduce", np.zeros(1, np.uint8), ReduceOp.SUM, call)
+                or self.ctx.gather_round(call, None) is not None):
             return
         self.ctx.exchange(call, 0, None)
 

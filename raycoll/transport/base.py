@@ -44,6 +44,7 @@ import numpy as np
 
 from raycoll import errors
 from raycoll.coordinator.logic import fingerprint_mismatch
+from raycoll.transport.counters import Counters, payload_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.backends.base import Call, GroupContext
@@ -150,6 +151,11 @@ class RoundTransport:
         # A message from an earlier group on the same medium carries another epoch: skipped.
         self.epoch = epoch
         self._peers = sorted(peers)
+        self._dests: List[int] = self._peers  # the peers this round's message goes to
+        self._sources: List[int] = self._peers  # ... and the peers it reads from
+        #: per collective kind, what this rank sent and received (transports that send
+        #: each peer its own message count: ``sparse`` ones)
+        self.counters: Dict[str, Counters] = {}
         self._poisoned = False
         self._closed = False
         # The last collective this rank completed here: every rank had written its message
@@ -192,13 +198,15 @@ class RoundTransport:
         """Release what the transport holds at the end of the group."""
 
     # ------------------------------------------------------------------ the collective
-    def all_gather(self, call: "Call", payload: Any, sub: int = 0,
-                   views: bool = False) -> List[Any]:
+    def all_gather(self, call: "Call", payload: Any, sub: int = 0, views: bool = False,
+                   dests: Optional[Sequence[int]] = None,
+                   sources: Optional[Sequence[int]] = None) -> List[Any]:
         """Every rank's ``payload`` for round ``sub`` of ``call``, by group rank (ours as
         given). ``views=True``: peers' arrays may be read-only views of the transport's
-        buffers, valid until this rank's next round on it (drop every reference by then)."""
+        buffers, valid until this rank's next round on it (drop every reference by then).
+        ``dests``/``sources``: only these group ranks (see :meth:`exchange`)."""
         try:
-            return self._all_gather(call, payload, sub, views)
+            return self._all_gather(call, payload, sub, views, dests, sources)
         except (errors.CollectiveMismatchError, errors.PeerArgumentError):
             raise  # the call failed on every rank alike; the group goes on
         except BaseException:
@@ -211,17 +219,43 @@ class RoundTransport:
                 pass
             raise
 
-    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool) -> List[Any]:
+    def exchange(self, call: "Call", sub: int, sends: Dict[int, Any], sources: Sequence[int],
+                 views: bool = False, first: bool = False) -> Dict[int, Any]:
+        """Round ``sub`` of ``call`` between some ranks only (a step of an algorithm's
+        schedule, :mod:`raycoll.algorithms`): send ``sends[j]`` to group rank ``j``, receive
+        one payload from each group rank in ``sources``; returns them by source. Only
+        transports that can reach one peer alone have it (:attr:`sparse`). The fingerprints
+        of the sources are checked against this rank's: a mismatch breaks the group (ranks
+        that exchange nothing with this one cannot learn of it otherwise). ``first``: this
+        rank's first round of ``call`` (the call's timeout counts from it)."""
+        if not self.sparse:
+            raise TypeError(f"the {self.name} has no rounds between some ranks only")
+        if first:
+            self._call_began = time.monotonic()
+        got = self.all_gather(call, PerPeer(sends.get(j) for j in range(self.ctx.size)), sub,
+                              views, dests=sorted(sends), sources=sources)
+        me = self.ctx.rank
+        return {s: got[s][me] for s in sources}
+
+    #: Whether this transport can send a round's message to some peers only (``exchange``).
+    sparse = False
+
+    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
+                    dests: Optional[Sequence[int]] = None,
+                    sources: Optional[Sequence[int]] = None) -> List[Any]:
         me = self.ctx.rank
         if sub == 0:  # later rounds follow round 0 of the same call
             self._call_began = time.monotonic()
         waiter = _Waiter(self, call, self._call_began)  # the timeout is the whole call's
         key = (call.seq, sub)
-        message: Optional[Message] = ("msg", self.epoch, key, call.fp, payload)
+        self._dests = self._peers if dests is None else list(dests)
+        message: Optional[Message] = (("msg", self.epoch, key, call.fp, payload)
+                                      if self._dests else None)
         out: List[Any] = [None] * self.ctx.size
         out[me] = payload
         fps: Dict[int, Dict[str, Any]] = {me: call.fp}
-        pending = list(self._peers)
+        pending = list(self._peers if sources is None else sources)
+        self._sources = list(pending)
         self._waiting = (call.seq, pending)
         # Write and read in one loop: a write may wait until the peers have taken our
         # previous message (or room in their buffers), which they do while reading for this
@@ -244,6 +278,8 @@ class RoundTransport:
         except BaseException:
             out.clear()
             raise
+        if self.sparse:
+            self._count(call.op, payload, out)
         self._done = (call.op, call.seq)
         self.calls += sub == 0
         self.report()
@@ -251,10 +287,25 @@ class RoundTransport:
         problem = fingerprint_mismatch(fps, self.ctx.global_ranks)
         if problem:
             out.clear()
-            raise errors.CollectiveMismatchError(
+            err = errors.CollectiveMismatchError(
                 f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
                 **self.ctx.ctx(call))
+            if sources is not None:
+                self.ctx.fail(err)  # the ranks this one does not hear from wait on: break
+            raise err
         return out
+
+    def _count(self, op: str, payload: Any, got: List[Any]) -> None:
+        """Count this round's messages (to ``self._dests``, from the ranks in ``got``)."""
+        tally = self.counters.get(op)
+        if tally is None:
+            tally = self.counters[op] = Counters()
+        me, nodes = self.ctx.rank, self.ctx.node_ids
+        for j in self._dests:
+            tally.sent(j, payload_bytes(project(payload, j)), nodes[j] == nodes[me])
+        for s in self._sources:
+            tally.received(s, payload_bytes(got[s]), nodes[s] == nodes[me])
+        tally.rounds += bool(self._dests or self._sources)
 
     def reject(self, call: "Call", message: str) -> None:
         """Tell the peers at once that this rank rejected its arguments for ``call`` (if the

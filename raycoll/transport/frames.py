@@ -253,18 +253,36 @@ class Reader:
 
 
 class Scratch:
-    """A reusable receive buffer (arrays read from it are views, valid until its next use)."""
+    """A reusable receive buffer (arrays read from it are views, valid until its next use).
+
+    It grows to the largest message (doubling), and gives a spike back: after
+    ``SHRINK_AFTER`` messages in a row that used at most a quarter of it (and it holds more
+    than ``KEEP_BYTES``), the next one gets a buffer of its own size."""
+
+    SHRINK_AFTER = 8
+    KEEP_BYTES = 1 << 20
 
     def __init__(self) -> None:
         self._buf = np.empty(0, dtype=np.uint8)
+        self._small = 0  # messages in a row that used at most a quarter of the buffer
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this buffer holds now."""
+        return self._buf.nbytes
 
     def place(self, _meta: bytes, lens: List[int]) -> List[memoryview]:
         offsets, total = [], 0
         for n in lens:
             offsets.append(total)
             total += -(-n // _ALIGN) * _ALIGN
-        if self._buf.nbytes < total:  # a new one: views of the old may still be alive
-            self._buf = np.empty(max(total, 2 * self._buf.nbytes), dtype=np.uint8)
+        held = self._buf.nbytes
+        self._small = self._small + 1 if 4 * total <= held and held > self.KEEP_BYTES else 0
+        if held < total:  # a new one: views of the old may still be alive
+            self._buf = np.empty(max(total, 2 * held), dtype=np.uint8)
+        elif self._small > self.SHRINK_AFTER:
+            self._buf = np.empty(total, dtype=np.uint8)
+            self._small = 0
         view = self._buf.data
         return [view[o:o + n] for o, n in zip(offsets, lens)]
 

@@ -259,11 +259,22 @@ class Links:
         if self._closed:
             time.sleep(seconds)
             return
+        # poll, not select: no limit on descriptor numbers (select fails from 1024 on)
+        masks: Dict[int, int] = {self._wake_r.fileno(): select.POLLIN}
         try:
-            r, _, _ = select.select([self._wake_r, *read], list(write), [], max(0.0, seconds))
+            for sock in read:
+                fd = sock.fileno()
+                masks[fd] = masks.get(fd, 0) | select.POLLIN
+            for sock in write:
+                fd = sock.fileno()
+                masks[fd] = masks.get(fd, 0) | select.POLLOUT
+            poller = select.poll()
+            for fd, mask in masks.items():
+                poller.register(fd, mask)
+            ready = poller.poll(max(0.0, seconds) * 1000.0)
         except (OSError, ValueError):  # a socket closed under us: the next read says why
             return
-        if self._wake_r in r:
+        if any(fd == self._wake_r.fileno() for fd, _ in ready):
             try:
                 while self._wake_r.recv(4096):
                     pass
@@ -314,8 +325,12 @@ class Links:
                 del self._out[(dst, purpose)]
         out.sock.close()
 
-    def sockets(self) -> int:
-        return len(self._out) + len(self._in)
+    def sockets(self, purpose: Optional[str] = None) -> int:
+        """How many connections this rank holds in the group (for ``purpose`` only, if
+        given), both directions."""
+        with self._lock:
+            keys = list(self._out) + list(self._in)
+        return sum(1 for _dst, p in keys if purpose is None or p == purpose)
 
     def closed_peers(self) -> List[int]:
         """Group ranks whose incoming connections are closed (their processes are gone),

@@ -78,6 +78,7 @@ class TcpTransport(RoundTransport):
 
     name = "direct connection"
     kind = "tcp"
+    sparse = True
 
     def __init__(self, ctx: "GroupContext", links: Links) -> None:
         super().__init__(ctx, "tcp", [j for j in range(ctx.size) if j != ctx.rank])
@@ -88,6 +89,9 @@ class TcpTransport(RoundTransport):
         self._scratch = {s: Scratch() for s in self._peers}
         self._outs: Dict[int, Out] = {}
         self._reading: Optional[int] = None  # the peer read last (whose failure is named)
+        #: the receive buffers' bytes now, and at most so far
+        self._held = 0
+        self.peak_recv_bytes = 0
         self.poll_min_s, self.poll_max_s = 0.002, 0.05
         self.failure_grace_s = CLOSED_GRACE_S
 
@@ -102,7 +106,7 @@ class TcpTransport(RoundTransport):
             kind, _epoch, key, fp, payload = message
             self._message = message
             self._writers = {j: Writer(encode_round((kind, key, fp, project(payload, j))))
-                             for j in self._peers}
+                             for j in self._dests}
         for j, writer in list(self._writers.items()):
             if writer.push(self._out(j).sock):
                 del self._writers[j]
@@ -116,7 +120,12 @@ class TcpTransport(RoundTransport):
         if sock is None:
             return None
         self._reading = s
-        got = self._readers[s].pull(sock, self._scratch[s].place)
+        scratch = self._scratch[s]
+        before = scratch.nbytes
+        got = self._readers[s].pull(sock, scratch.place)
+        if scratch.nbytes != before:
+            self._held += scratch.nbytes - before
+            self.peak_recv_bytes = max(self.peak_recv_bytes, self._held)
         if got is None:
             return None
         meta, bufs = got

@@ -1,0 +1,138 @@
+"""The cost model that picks an algorithm: alpha per message, beta per byte, per link class.
+
+A step of a :class:`~raycoll.algorithms.schedule.Schedule` costs each rank
+
+    sum over the messages it sends    (alpha[link] + beta[link] * bytes)
+  + sum over the messages it receives (beta[link] * bytes, + gamma * bytes where it reduces)
+
+(a message is everything one rank sends one peer in one step; alpha is a message's latency
+and fixed overhead, beta the time a byte takes at each end, gamma a reduced byte). The step
+takes as long as its slowest rank; a schedule, the sum of its steps. :func:`choose` is the
+model's minimum over a collective's algorithms for (bytes, node map); ties go to the
+algorithm listed first in :data:`~raycoll.algorithms.schedule.ALGORITHMS`. Every rank holds
+the same model and the same topology, so every rank makes the same choice.
+
+The defaults were measured on this project's 2-core machine (benchmarks/BENCHMARKS.md,
+"Many ranks"); ``raycoll-bench --calibrate`` measures a cluster's and prints the
+``cost_model`` group option that carries them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+from raycoll.algorithms.catalog import build
+from raycoll.algorithms.schedule import ALGORITHMS, Schedule, check_algorithm
+from raycoll.algorithms.topology import LINK_CLASSES, Topology
+
+__all__ = ["DEFAULT", "CostModel", "LinkCost", "choose", "predict"]
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One link class: ``alpha`` seconds a message, ``beta`` seconds a byte at each end."""
+
+    alpha: float
+    beta: float
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"cost_model: {name} must be a finite number >= 0 (seconds), "
+                         f"got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Link costs by class (``lane``, ``unix``, ``tcp``) and ``gamma``, seconds a reduced byte."""
+
+    links: Mapping[str, LinkCost] = field(default_factory=dict)
+    gamma: float = 0.0
+
+    @classmethod
+    def of(cls, spec: Optional[Mapping[str, Any]]) -> "CostModel":
+        """The default model with ``spec`` laid over it: ``{"tcp": {"alpha": 5e-5, "beta":
+        4e-10}, "gamma": 2e-10}`` (any subset; the form ``raycoll-bench --calibrate``
+        prints). ``None``: the default."""
+        if spec is None:
+            return DEFAULT
+        if isinstance(spec, CostModel):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"cost_model: expected a dict like {{'tcp': {{'alpha': 5e-05, "
+                            f"'beta': 4e-10}}}}, got {type(spec).__name__}")
+        links = dict(DEFAULT.links)
+        gamma = DEFAULT.gamma
+        for key, value in spec.items():
+            if key == "gamma":
+                gamma = _positive("gamma", value)
+                continue
+            if key not in LINK_CLASSES:
+                raise ValueError(f"cost_model: unknown key {key!r}; expected one of "
+                                 f"{', '.join(LINK_CLASSES)} or gamma")
+            if not isinstance(value, Mapping) or set(value) - {"alpha", "beta"}:
+                raise ValueError(f"cost_model[{key!r}]: expected a dict with 'alpha' and/or "
+                                 f"'beta' (seconds), got {value!r}")
+            base = links[key]
+            links[key] = LinkCost(_positive(f"{key}.alpha", value.get("alpha", base.alpha)),
+                                  _positive(f"{key}.beta", value.get("beta", base.beta)))
+        return cls(links, gamma)
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {k: {"alpha": v.alpha, "beta": v.beta}
+                               for k, v in self.links.items()}
+        out["gamma"] = self.gamma
+        return out
+
+    def time(self, schedule: Schedule, topology: Topology, itemsize: int,
+             reduces: bool = True) -> float:
+        """The predicted seconds of ``schedule`` on ``topology`` (see the module docstring)."""
+        total = 0.0
+        for step in schedule.steps:
+            per_rank: Dict[int, float] = {}
+            pairs: Dict[Tuple[int, int], Tuple[int, bool]] = {}
+            for t in step:
+                size, red = pairs.get((t.src, t.dst), (0, False))
+                pairs[(t.src, t.dst)] = (size + t.size * itemsize, red or t.reduce)
+            for (src, dst), (nbytes, red) in pairs.items():
+                link = self.links[topology.link(src, dst)]
+                per_rank[src] = per_rank.get(src, 0.0) + link.alpha + link.beta * nbytes
+                recv = link.beta * nbytes + (self.gamma * nbytes if red and reduces else 0.0)
+                per_rank[dst] = per_rank.get(dst, 0.0) + recv
+            total += max(per_rank.values(), default=0.0)
+        return total
+
+
+#: Measured here (benchmarks/BENCHMARKS.md, "Many ranks"): a message's fixed cost is mostly
+#: Python's (framing, one ``sendmsg``, a poll), a byte's a kernel copy at each end.
+DEFAULT = CostModel(
+    links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),
+           "tcp": LinkCost(60e-6, 0.35e-9)},
+    gamma=0.3e-9,
+)
+
+
+def predict(collective: str, topology: Topology, nbytes: int, itemsize: int = 4,
+            model: CostModel = DEFAULT, root: int = 0,
+            algorithms: Optional[Iterable[str]] = None) -> Dict[str, float]:
+    """Predicted seconds of each of ``collective``'s algorithms (or of ``algorithms``) for
+    ``nbytes`` a rank on ``topology``."""
+    n = nbytes // itemsize
+    out = {}
+    for algo in (algorithms if algorithms is not None else ALGORITHMS[collective]):
+        check_algorithm(collective, algo)
+        schedule = build(collective, algo, topology, n, root)
+        out[algo] = model.time(schedule, topology, itemsize)
+    return out
+
+
+def choose(collective: str, topology: Topology, nbytes: int, itemsize: int = 4,
+           model: CostModel = DEFAULT, root: int = 0,
+           algorithms: Optional[Iterable[str]] = None) -> str:
+    """The algorithm of ``collective`` the model predicts fastest (the first listed on a tie)."""
+    times = predict(collective, topology, nbytes, itemsize, model, root, algorithms)
+    return min(times, key=lambda a: (times[a], list(times).index(a)))

@@ -1,0 +1,150 @@
+"""The scheduled algorithms on a live group: ring, recursive doubling, halving-doubling,
+binomial trees and the two-level (node-aware) forms, run over the group's direct
+connections, one step of the schedule a round between the ranks that step pairs.
+
+A group on direct connections (:mod:`raycoll.transport.tcp`) knows its node map (a
+:class:`~raycoll.algorithms.topology.Topology` of its ranks' Ray node ids: Unix sockets inside
+a node, TCP across). For each all_reduce, reduce_scatter, all_gather, broadcast and reduce
+the cost model (:mod:`raycoll.algorithms.cost`) picks the algorithm from values every rank
+has (the op, the bytes, the node map, the group's options), so every rank runs the same
+schedule; a group option (``all_reduce_algo``, ...) forces one. ``direct`` and
+``direct_rsag`` are the direct exchange the backend already streams
+(:mod:`raycoll.algorithms.direct`): they go back to it. A rank opens connections only to
+the peers its schedules pair it with, on first use.
+
+The direct connections count every message (``ProcessGroup.counters()``), and
+:func:`raycoll.algorithms.counters.expected` says what a schedule should cost: a test
+checks an algorithm's cost exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from raycoll.algorithms.catalog import build
+from raycoll.algorithms.cost import CostModel, choose
+from raycoll.algorithms.executor import combining_op, finish
+from raycoll.algorithms.schedule import ALGORITHMS, Schedule, Transfer
+from raycoll.algorithms.topology import Topology
+from raycoll.options import SCHEDULED
+from raycoll.reduce_op import ReduceOp, combine
+
+__all__ = ["ScheduledAlgorithms", "DIRECT"]
+
+logger = logging.getLogger("raycoll")
+
+#: The algorithms the backend's direct exchange runs (streamed) instead of a schedule.
+DIRECT = ("direct", "direct_rsag")
+#: How many (collective, bytes, root) choices and schedules a rank keeps.
+_CACHE = 64
+
+#: One rank's part of one schedule: per step, its sends by destination and its receives.
+Plan = List[Tuple[Dict[int, List[Transfer]], List[Transfer]]]
+
+
+def rank_plan(schedule: Schedule, rank: int) -> Plan:
+    """Rank ``rank``'s steps of ``schedule``: ``(sends by destination, receives)`` each."""
+    plan: Plan = []
+    for sends, recvs in schedule.per_rank(rank):
+        by_dst: Dict[int, List[Transfer]] = {}
+        for t in sends:
+            by_dst.setdefault(t.dst, []).append(t)
+        plan.append((by_dst, recvs))
+    return plan
+
+
+class ScheduledAlgorithms:
+    """The scheduled algorithms of :class:`~raycoll.backends.cpu.ObjstoreBackend` (a base
+    class of it: they read its group context)."""
+
+    ctx: Any
+
+    def _init_scheduled(self) -> None:
+        opts = self.ctx.options
+        self.topology = Topology(self.ctx.node_ids, same_node="unix")
+        self.cost_model = CostModel.of(opts.cost_model)
+        self.forced: Dict[str, Optional[str]] = {}
+        for name, collective in SCHEDULED.items():
+            algo = getattr(opts, name)
+            self.forced[collective] = algo if algo in ALGORITHMS[collective] else None
+        self._plans: "OrderedDict[Tuple[Any, ...], Tuple[Schedule, Plan]]" = OrderedDict()
+        self._choices: "OrderedDict[Tuple[Any, ...], str]" = OrderedDict()
+
+    def algorithm(self, collective: str, nbytes: int, itemsize: int, root: int = 0) -> str:
+        """The algorithm this group runs ``collective`` of ``nbytes`` a rank with (the same
+        on every rank): the forced one, else the cost model's minimum."""
+        forced = self.forced.get(collective)
+        if forced is not None:
+            return forced
+        key = (collective, nbytes, itemsize, root)
+        algo = self._choices.get(key)
+        if algo is None:
+            algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model, root)
+            self._remember(self._choices, key, algo)
+            logger.debug("group %r: %s of %d bytes on %s: %s", self.ctx.group_name, collective,
+                         nbytes, self.topology.ranks_per_node, algo)
+        return algo
+
+    def _plan(self, collective: str, algo: str, n: int, root: int) -> Tuple[Schedule, Plan]:
+        key = (collective, algo, n, root)
+        got = self._plans.get(key)
+        if got is None:
+            schedule = build(collective, algo, self.topology, n, root)
+            got = (schedule, rank_plan(schedule, self.ctx.rank))
+            self._remember(self._plans, key, got)
+        return got
+
+    @staticmethod
+    def _remember(cache: "OrderedDict[Any, Any]", key: Any, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > _CACHE:
+            cache.popitem(last=False)
+
+    def _scheduled(self, collective: str, flat: np.ndarray, op: Optional[ReduceOp], call: Any,
+                   root: int = 0) -> bool:
+        """Run ``collective`` on ``flat`` (this rank's whole buffer, in place, in the
+        schedule's layout) if the group has direct connections and its algorithm is not the
+        direct exchange; ``False`` (nothing done) otherwise, the same on every rank."""
+        if self.ctx.size < 3:
+            return False  # two ranks: every algorithm is the direct exchange
+        plane = self.ctx.sparse_transport(call)
+        if plane is None:
+            return False
+        algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
+        if algo in DIRECT:
+            return False
+        schedule, plan = self._plan(collective, algo, flat.size, root)
+        self._run(collective, schedule, plan, flat, op, call, plane)
+        return True
+
+    def _run(self, collective: str, schedule: Schedule, plan: Plan, flat: np.ndarray,
+             op: Optional[ReduceOp], call: Any, plane: Any) -> None:
+        combine_op = combining_op(op) if op is not None else None
+        first, rounds = True, 0
+        for i, (sends, recvs) in enumerate(plan):
+            payloads = {dst: [flat[t.lo:t.hi] for t in ts] for dst, ts in sends.items()}
+            sources = list(dict.fromkeys(t.src for t in recvs))
+            got: Dict[int, Any] = {}
+            if payloads or sources:
+                got = plane.exchange(call, i, payloads, sources, views=True, first=first)
+                first, rounds = False, rounds + 1
+            del payloads
+            at = {s: 0 for s in sources}
+            for t in recvs:
+                data = got[t.src][at[t.src]]
+                at[t.src] += 1
+                if data.shape != (t.hi - t.lo,):
+                    raise ValueError(f"{call.op} #{call.seq}: expected {t.hi - t.lo} elements "
+                                     f"from group rank {t.src}, got {data.shape}")
+                if t.reduce and combine_op is not None:
+                    combine(combine_op, flat[t.lo:t.hi], data)
+                else:
+                    flat[t.lo:t.hi] = data
+            del got
+        self.ctx.note_rounds(call, rounds, schedule.algorithm)
+        if op is not None:
+            finish(schedule, flat, self.ctx.rank, op)
