@@ -138,6 +138,27 @@ def test_vs_gloo_adds_the_peer_time_and_ratio(ray_local: None, tmp_path: Path,
     assert "ratio = gloo time / raycoll time" in printed
 
 
+@pytest.mark.timeout(300)
+def test_calibrate_prints_a_cost_model_a_group_accepts(ray_local: None,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from raycoll import GroupOptions
+    from raycoll.algorithms.cost import CostModel
+
+    status = bench.main(["--calibrate", "--sizes", "4,1M", "--iters", "5", "--warmup", "2",
+                         "--no-progress"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    model = json.loads(printed.strip().splitlines()[-1])
+    assert set(model) == {"unix", "gamma"}  # one node: two ranks over a Unix socket
+    assert model["unix"]["alpha"] > 0 and model["unix"]["beta"] >= 0 and model["gamma"] > 0
+    assert GroupOptions.of({"cost_model": model}).cost_model == model
+    assert CostModel.of(model).links["unix"].alpha == model["unix"]["alpha"]
+    rows = [r for r in printed.splitlines() if r.startswith("#")]
+    assert "cost_model" in rows[-1]
+
+
 @pytest.mark.timeout(120)
 def test_module_entry_point_prints_help() -> None:
     proc = subprocess.run([sys.executable, "-m", "raycoll.bench", "--help"],

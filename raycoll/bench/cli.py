@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot time against size")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the cost model's link costs here (two ranks on direct "
+                        "connections; --nodes 2 for TCP between nodes) and print the "
+                        "cost_model group option")
     return p
 
 
@@ -118,6 +122,14 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> Tuple[Options, argpar
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``raycoll-bench`` entry point; returns the exit status (1 if any result was wrong)."""
     opts, args = parse_options(argv)
+    if args.calibrate:
+        from raycoll.bench.calibrate import calibrate
+
+        model = calibrate(opts)
+        print("# the cost model's link costs measured here; pass them to a group as")
+        print("# create_group(..., options={'cost_model': <this>})")
+        print(json.dumps(model))
+        return 0
     with_peer = opts.vs is not None
     configure_ray_env(opts)
     print(header(opts), flush=True)

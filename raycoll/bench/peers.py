@@ -225,6 +225,17 @@ def _ray_collective_step(
     return send_recv
 
 
+def process_usage() -> Tuple[int, int]:
+    """This process's resident memory (bytes) and open file descriptors (Linux /proc)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        fds = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return rss, fds
+
+
 class _RankActor:
     """One rank of a peer group; ``kind`` is the peer's name, ``"gloo"`` or ``"ray-collective"``."""
 
@@ -235,6 +246,9 @@ class _RankActor:
     def placement(self) -> Tuple[str, str]:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def usage(self) -> Tuple[int, int]:
+        return process_usage()
 
     def free_port(self, host: str) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -319,6 +333,11 @@ class Peer(abc.ABC):
     def close(self) -> None:
         """Kill the rank actors; safe to call twice."""
 
+    def usage(self) -> Tuple[int, int]:
+        """The largest resident memory (bytes) and open descriptors of a rank now, where
+        the peer can tell (``(0, 0)`` otherwise)."""
+        return 0, 0
+
     def __enter__(self) -> "Peer":
         return self
 
@@ -393,6 +412,11 @@ class _ActorPeer(Peer):
                 f"{self.world_size} ranks did not finish within {self.timeout}; peer closed"
             ) from exc
         return [max(times) for times in zip(*per_rank)]
+
+    def usage(self) -> Tuple[int, int]:
+        """The largest resident memory (bytes) and open descriptors of a rank now."""
+        got = self._get([a.usage.remote() for a in self._actors])
+        return max(r for r, _ in got), max(f for _, f in got)
 
     def close(self) -> None:
         actors, self._actors = self._actors, []

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 import ray
 
-from raycoll.bench.peers import OPS
+from raycoll.bench.peers import OPS, process_usage
 
 __all__ = ["BenchRank", "BenchRankRemote", "pattern"]
 
@@ -163,6 +163,10 @@ class BenchRank:
 
     def placement(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
+
+    def usage(self) -> Tuple[int, int]:
+        """This rank's resident memory (bytes) and open file descriptors."""
+        return process_usage()
 
     def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int, check: bool,
               group: str) -> Tuple[List[float], Optional[int]]:

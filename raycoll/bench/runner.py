@@ -238,8 +238,11 @@ class _Ranks:
         try:
             places = ray.get([a.placement.remote() for a in self.actors], timeout=CALL_TIMEOUT_S)
             self.nodes = len(set(places))
+            start = time.perf_counter()
             raycoll.create_group(self.actors, backend=backend, group_name=self.group,
                                  timeout=CALL_TIMEOUT_S, options=options)
+            #: seconds to form the group (the actors already running)
+            self.formation_s = time.perf_counter() - start
         except BaseException:
             self._kill()
             raise
@@ -253,6 +256,11 @@ class _Ranks:
         wrongs = [r[1] for r in results]
         wrong = None if any(w is None for w in wrongs) else int(sum(wrongs))
         return times, wrong
+
+    def usage(self) -> Tuple[int, int]:
+        """The largest resident memory (bytes) and open descriptors of a rank now."""
+        got = ray.get([a.usage.remote() for a in self.actors], timeout=CALL_TIMEOUT_S)
+        return max(r for r, _ in got), max(f for _, f in got)
 
     def _kill(self) -> None:
         for actor in self.actors:
@@ -290,9 +298,12 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
             ranks = _Ranks(world_size, opts.backend, opts.group_options, env.rank_options())
             peer: Optional[Peer] = None
             try:
+                peer_formation_s = None
                 if opts.vs:
                     peer = PEERS[opts.vs]()
+                    start = time.perf_counter()
                     peer.setup(world_size, env.peer_options())
+                    peer_formation_s = time.perf_counter() - start
                 for ws, op, nbytes in _jobs(opts):
                     if ws != world_size:
                         continue
@@ -313,8 +324,14 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
                         after, settle_s = sampler.settle(baseline)
                         row.extra.update(store_baseline_bytes=baseline, store_peak_bytes=peak,
                                          store_after_bytes=after, store_settle_ms=settle_s * 1e3)
+                    rss, fds = ranks.usage()
+                    row.extra.update(formation_s=ranks.formation_s, rank_rss_bytes=rss,
+                                     rank_fds=fds)
                     if peer is not None:
                         _add_peer(row, peer, op, real, opts)
+                        rss, fds = peer.usage()
+                        row.extra.update(peer_formation_s=peer_formation_s,
+                                         peer_rss_bytes=rss, peer_fds=fds)
                     rows.append(row)
                     with progress.emitting():
                         emit(row)
