@@ -194,3 +194,22 @@ def test_predicted_times_grow_with_bytes_for_every_algorithm():
     small: List[float] = list(predict("all_reduce", topo, 1 << 10).values())
     large: List[float] = list(predict("all_reduce", topo, 1 << 24).values())
     assert all(b > a for a, b in zip(small, large))
+
+
+@pytest.mark.parametrize("collective,algo", [("all_reduce", "ring"),
+                                             ("all_reduce", "halving_doubling"),
+                                             ("all_reduce", "hierarchical"),
+                                             ("broadcast", "scatter_allgather"),
+                                             ("reduce", "binomial")])
+def test_pipelined_segments_move_the_same_bytes_in_smaller_messages(collective, algo):
+    topo = Topology.from_sizes([2, 2])
+    n = 4000
+    whole = expected(build(collective, algo, topo, n, root=1), topo, ITEM)
+    piped = build(collective, algo, topo, n, root=1, segments=8)
+    steps = len(build(collective, algo, topo, n // 8, root=1).steps)
+    assert len(piped.steps) == steps + 7  # segment k starts k steps late
+    for a, b in zip(whole, expected(piped, topo, ITEM)):
+        assert _sent(a) == _sent(b) and _recv(a) == _recv(b)
+        assert a["bytes_sent_other_node"] == b["bytes_sent_other_node"]
+    with pytest.raises(ValueError, match="only all_reduce, broadcast, reduce are pipelined"):
+        build("reduce_scatter", "ring", topo, n, segments=2)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Tuple
 
 from raycoll.algorithms import doubling, hierarchical, mesh, ring, tree
-from raycoll.algorithms.schedule import Schedule, Step, blocks, check_algorithm
+from raycoll.algorithms.schedule import Schedule, Step, blocks, check_algorithm, in_parallel
 from raycoll.algorithms.topology import Topology
 
-__all__ = ["build"]
+__all__ = ["PIPELINED", "build"]
 
 
 def _builders() -> Dict[Tuple[str, str], Callable[[Topology, int, int], List[Step]]]:
@@ -46,13 +46,33 @@ def _results(collective: str, world: int, n: int, root: int) -> Tuple[Tuple[int,
     return tuple((0, n) for _ in range(world))
 
 
+#: The collectives whose result is the whole buffer (or nothing): they can be pipelined in
+#: segments (a reduce_scatter's or all_gather's blocks are laid out over the whole buffer).
+PIPELINED = ("all_reduce", "broadcast", "reduce")
+
+
+def _pipelined(builder: Callable[[int], List[Step]], n: int, segments: int) -> List[Step]:
+    """``builder``'s steps over each of ``segments`` contiguous segments of ``[0, n)``,
+    segment ``k`` starting ``k`` steps late: a round carries step ``s`` of segment ``k`` with
+    step ``s - 1`` of segment ``k + 1``, ..., so each message stays small (in the caches
+    between its copy into the receiver's buffer and the reduction) while every step of one
+    segment still follows the one before."""
+    phases = []
+    for k, (lo, hi) in enumerate(blocks(0, n, segments)):
+        shifted = [[t._replace(lo=t.lo + lo, hi=t.hi + lo) for t in step]
+                   for step in builder(hi - lo)]
+        phases.append([[] for _ in range(k)] + shifted)
+    return in_parallel(*phases)
+
+
 def build(collective: str, algorithm: str, topology: Topology, n: int,
-          root: int = 0, chunks: int = 1) -> Schedule:
+          root: int = 0, chunks: int = 1, segments: int = 1) -> Schedule:
     """The schedule of ``algorithm`` for ``collective`` over ``n`` elements on ``topology``.
 
     ``root`` is the group rank of broadcast's source and reduce's destination (ignored
     elsewhere). ``chunks`` (ring only) cuts each ring block into that many messages, so that a
-    receiver can reduce one while the next arrives."""
+    receiver can reduce one while the next arrives. ``segments`` (all_reduce, broadcast and
+    reduce) pipelines the schedule over that many segments of the buffer."""
     check_algorithm(collective, algorithm)
     world = topology.world_size
     if not isinstance(n, int) or n < 0:
@@ -64,13 +84,23 @@ def build(collective: str, algorithm: str, topology: Topology, n: int,
     if chunks > 1 and algorithm != "ring":
         raise ValueError(f"chunks: only the ring algorithm is chunked, got chunks={chunks} "
                          f"with {collective}_algo={algorithm!r}")
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments: expected an int >= 1, got {segments!r}")
+    if segments > 1 and collective not in PIPELINED:
+        raise ValueError(f"segments: only {', '.join(PIPELINED)} are pipelined, got "
+                         f"segments={segments} for {collective}")
+
+    def one(size: int) -> List[Step]:
+        if algorithm == "ring":
+            return ring.build(collective, world, size, chunks)
+        return _builders()[(collective, algorithm)](topology, size, root)
+
     if world == 1:
         steps: List[Step] = []
-    elif algorithm == "ring":
-        steps = ring.build(collective, world, n, chunks)
+    elif segments > 1:
+        steps = _pipelined(one, n, min(segments, max(n, 1)))
     else:
-        builder = _builders()[(collective, algorithm)]
-        steps = builder(topology, n, root)
+        steps = one(n)
     frozen = tuple(tuple(s) for s in steps if s)
     return Schedule(collective, algorithm, world, n, root, frozen,
                     _results(collective, world, n, root))

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from raycoll.algorithms.catalog import build
+from raycoll.algorithms.catalog import PIPELINED, build
 from raycoll.algorithms.cost import CostModel, choose
 from raycoll.algorithms.executor import combining_op, finish
 from raycoll.algorithms.schedule import ALGORITHMS, Schedule, Transfer
@@ -62,6 +62,8 @@ class ScheduledAlgorithms:
     class of it: they read its group context)."""
 
     ctx: Any
+    #: the size of a pipelined segment (the backend's ``stream_bytes``)
+    stream_bytes: int
 
     def _init_scheduled(self) -> None:
         opts = self.ctx.options
@@ -89,11 +91,16 @@ class ScheduledAlgorithms:
                          nbytes, self.topology.ranks_per_node, algo)
         return algo
 
-    def _plan(self, collective: str, algo: str, n: int, root: int) -> Tuple[Schedule, Plan]:
-        key = (collective, algo, n, root)
+    def _plan(self, collective: str, algo: str, n: int, itemsize: int,
+              root: int) -> Tuple[Schedule, Plan]:
+        key = (collective, algo, n, itemsize, root)
         got = self._plans.get(key)
         if got is None:
-            schedule = build(collective, algo, self.topology, n, root)
+            # a large buffer is pipelined in segments of about ``stream_bytes``: a round's
+            # messages stay in the caches between their receipt and the reduction
+            segments = (-(-n * itemsize // self.stream_bytes) if collective in PIPELINED
+                        else 1)
+            schedule = build(collective, algo, self.topology, n, root, segments=segments)
             got = (schedule, rank_plan(schedule, self.ctx.rank))
             self._remember(self._plans, key, got)
         return got
@@ -117,7 +124,7 @@ class ScheduledAlgorithms:
         algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
         if algo in DIRECT:
             return False
-        schedule, plan = self._plan(collective, algo, flat.size, root)
+        schedule, plan = self._plan(collective, algo, flat.size, flat.itemsize, root)
         self._run(collective, schedule, plan, flat, op, call, plane)
         return True
 
