@@ -2,8 +2,9 @@
 
 :class:`Coordinator` combines the concerns, each in its own module: membership
 (rendezvous, leave), the key-value store and ``status`` here; round matching
-(:mod:`.rounds`), lane bookkeeping (:mod:`.lane`), Join state (:mod:`.join_state`), the
-point-to-point mailbox (:mod:`.mailbox`) and liveness (:mod:`.liveness`). Every RPC answers
+(:mod:`.rounds`), round-transport bookkeeping (:mod:`.transports`), Join state
+(:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`) and liveness
+(:mod:`.liveness`). Every RPC answers
 with a result tuple (:mod:`.logic`); ranks call it through
 :class:`raycoll.coordinator.client.CoordinatorClient`.
 """
@@ -18,14 +19,14 @@ import ray
 
 from raycoll import errors
 from raycoll.coordinator.join_state import JoinMixin
-from raycoll.coordinator.lane import LaneMixin
 from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
 from raycoll.coordinator.rounds import RoundsMixin
+from raycoll.coordinator.transports import TransportMixin
 
 
-class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin):
+class Coordinator(RoundsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
@@ -131,9 +132,9 @@ class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin
             }
             if key in self._broken:
                 out[key]["broken"] = self._broken[key][2]
-            if key in self._lane_groups:
-                out[key]["transport"] = self._lane_groups[key]
-                out[key]["lane"] = self._lane_groups[key] == "lane"
+            if key in self._transports:
+                out[key]["transport"] = self._transports[key]
+                out[key]["lane"] = self._transports[key] == "lane"
             self._join_status(key, out[key])
         return ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})

@@ -1,7 +1,7 @@
 """The coordinator actor's tables, shared by the concerns that make up the actor.
 
 :class:`CoordinatorState` creates every table once; the mixins (:mod:`.rounds`,
-:mod:`.lane`, :mod:`.join_state`, :mod:`.mailbox`, :mod:`.liveness`) hold the behaviour,
+:mod:`.transports`, :mod:`.join_state`, :mod:`.mailbox`, :mod:`.liveness`) hold the behaviour,
 and :class:`raycoll.coordinator.actor.Coordinator` combines them. The methods one concern
 calls on another are declared here for the type checker.
 """
@@ -97,7 +97,7 @@ class CoordinatorState:
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
         # groups whose ranks reported progress on a round transport, and its name
-        self._lane_groups: Dict[str, str] = {}
+        self._transports: Dict[str, str] = {}
         # liveness (see raycoll.coordinator.liveness)
         self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
         self._death_report: Optional[asyncio.TimerHandle] = None
