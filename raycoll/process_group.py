@@ -201,7 +201,7 @@ class ProcessGroup:
     def lane_active(self) -> bool:
         """Whether the group's round transport is set up (alike on every rank between
         collectives)."""
-        return self.context.lane_active
+        return self.context.transport_active
 
     @property
     def last_route(self) -> Optional[Route]:
@@ -218,7 +218,7 @@ class ProcessGroup:
     def report_progress(self) -> None:
         """Send the coordinator what this rank's round transport knows of every rank's
         progress (for ``group_status``)."""
-        self.context.lane_report()
+        self.context.transport_report()
 
     def error_context(self, call: Call) -> Dict[str, Any]:
         """The keyword arguments of a raycoll error about ``call`` on this rank."""
@@ -290,8 +290,8 @@ class ProcessGroup:
         if self.size() > 1:
             self._root.client.submit_reject(self._name, self._global_ranks, call.seq,
                                             self._rank, call.op, str(exc))
-            if not self.outstanding():  # else an earlier call's lane message comes first
-                self.context.lane_reject(call, str(exc))
+            if not self.outstanding():  # else an earlier call's transport message comes first
+                self.context.transport_reject(call, str(exc))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:
@@ -492,9 +492,9 @@ class ProcessGroup:
         missing: List[int] = []
         detail = ""
         try:
-            on_lane = self.context.lane_missing(call.seq)
-            if on_lane is not None:  # the call waits on the shared-memory lane
-                waiting, done = on_lane
+            on_transport = self.context.transport_missing(call.seq)
+            if on_transport is not None:  # the call waits on the round transport
+                waiting, done = on_transport
                 missing = [self._global_ranks[r] for r in waiting]
                 lasts = {self._global_ranks[r]: done.get(r) for r in waiting}
             else:

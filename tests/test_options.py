@@ -103,7 +103,7 @@ def _seen(rank: int) -> Dict[str, Any]:
     raycoll.all_reduce(x)
     pg = world().default
     return {"sum": x.tolist(), "options": pg.context.options, "transport": pg.transport_name,
-            "lane_active": pg.lane_active, "lane_calls": pg.context.lane_calls,
+            "lane_active": pg.lane_active, "lane_calls": pg.context.transport_calls,
             "nodes": len(pg.node_ids), "client": pg.client is pg.context.client}
 
 

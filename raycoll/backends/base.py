@@ -187,7 +187,7 @@ class GroupContext:
                                     self.rank, fp, send_meta, recv_meta, payload, mode, root,
                                     call.timeout_s, where=self.ctx(call))
 
-    # ------------------------------------------------------------------ the lane
+    # ------------------------------------------------------------------ the round transport
     def gather_round(self, call: Call, payload: Any, sub: int = 0,
                      views: bool = False) -> Optional[List[Any]]:
         """Every rank's ``payload`` for round ``sub`` of ``call`` (by group rank) through the
@@ -319,29 +319,30 @@ class GroupContext:
             return "store"
         return str(self._plane.kind)
 
-    def lane_reject(self, call: Call, message: str) -> None:
+    def transport_reject(self, call: Call, message: str) -> None:
         """This rank rejected its arguments for ``call``: tell the transport's readers now."""
         if self._plane:
             self._plane.reject(call, message)
 
-    def lane_report(self) -> None:
+    def transport_report(self) -> None:
         """Send the coordinator what this rank's transport knows of every rank's progress."""
         if self._plane:
             self._plane.report(force=True)
 
-    def lane_missing(self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:
+    def transport_missing(
+            self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:
         """If collective ``seq`` is waiting on the round transport: the group ranks it waits
         for, and each rank's last completed collective (``(op, seq)``, by group rank)."""
         return self._plane.missing(seq) if self._plane else None
 
     @property
-    def lane_active(self) -> bool:
+    def transport_active(self) -> bool:
         """Whether this group's round transport is set up (the same on every rank between
         collectives)."""
         return bool(self._plane)
 
     @property
-    def lane_calls(self) -> int:
+    def transport_calls(self) -> int:
         """How many collectives went through the round transport on this rank."""
         return self._plane.calls if self._plane else 0
 
