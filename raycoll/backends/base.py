@@ -44,7 +44,7 @@ Outcome = Optional[DevicePending]
 
 
 #: Steps of a collective whose step 0 set the lane up (and it stayed off) are moved by this
-#: much, so that they do not meet the set-up round at the coordinator.
+#: much, so that they do not meet the set-up step at the coordinator.
 _SETUP_STEPS = 1000
 
 

@@ -1,8 +1,8 @@
 """The coordinator actor: one async Ray actor per root group, and how it is started.
 
 :class:`Coordinator` combines the concerns, each in its own module: membership
-(rendezvous, leave), the key-value store and ``status`` here; round matching
-(:mod:`.rounds`), round-transport bookkeeping (:mod:`.transports`), Join state
+(rendezvous, leave), the key-value store and ``status`` here; step matching
+(:mod:`.steps`), round-transport bookkeeping (:mod:`.transports`), Join state
 (:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`) and liveness
 (:mod:`.liveness`). Every RPC answers
 with a result tuple (:mod:`.logic`); ranks call it through
@@ -22,11 +22,11 @@ from raycoll.coordinator.join_state import JoinMixin
 from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
-from raycoll.coordinator.rounds import RoundsMixin
+from raycoll.coordinator.steps import StepsMixin
 from raycoll.coordinator.transports import TransportMixin
 
 
-class Coordinator(RoundsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessMixin):
+class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
@@ -86,7 +86,7 @@ class Coordinator(RoundsMixin, TransportMixin, JoinMixin, MailboxMixin, Liveness
             self._members.clear()
             self._formed = asyncio.Event()
             self._generation += 1
-            self._rounds.clear()
+            self._steps.clear()
             self._broken.clear()
             self._last.clear()
             self._current.clear()
@@ -142,7 +142,7 @@ class Coordinator(RoundsMixin, TransportMixin, JoinMixin, MailboxMixin, Liveness
     def state_sizes(self) -> Result:
         """How many entries the coordinator holds per table (a leak check for soak runs)."""
         return ok({
-            "rounds": len(self._rounds), "groups": len(self._groups), "broken": len(self._broken),
+            "steps": len(self._steps), "groups": len(self._groups), "broken": len(self._broken),
             "mail": sum(len(q) for q in self._mail.values()),
             "receivers": sum(len(q) for q in self._waiting.values()),
             "kv": len(self._kv), "leases": len(self._leases),

@@ -36,7 +36,7 @@ class TransportMixin(CoordinatorState):
         Returns the error that ends its wait, if any: the group is broken or a rank died, a
         rank rejected its arguments for ``seq``, or ranks came to ``seq`` through the
         coordinator (they called a different collective, one not for the transport): then
-        that round fails with the mismatch, for them too. Otherwise ``("ok", None)``.
+        that step fails with the mismatch, for them too. Otherwise ``("ok", None)``.
         """
         self._groups[key] = tuple(ranks)
         self._note_progress(key, rank, seq, fp.get("op", "?"), progress)
@@ -47,18 +47,18 @@ class TransportMixin(CoordinatorState):
         failed = self._unusable(key)
         if failed is not None:
             return failed
-        rnd = self._rounds.get((key, seq, 0))
-        if rnd is None or rnd.error is None and (rnd.done.is_set() or not rnd.arrivals):
-            return ok()  # nothing there, or the lane's own set-up round
-        if not rnd.done.is_set():
-            fps = {r: a.fp for r, a in rnd.arrivals.items()}
+        st = self._steps.get((key, seq, 0))
+        if st is None or st.error is None and (st.done.is_set() or not st.arrivals):
+            return ok()  # nothing there, or the lane's own set-up step
+        if not st.done.is_set():
+            fps = {r: a.fp for r, a in st.arrivals.items()}
             fps[rank] = fp
             why = fingerprint_mismatch(fps, ranks) or (
-                f"ranks {fmt_ranks(sorted(ranks[r] for r in rnd.arrivals))} came to it "
+                f"ranks {fmt_ranks(sorted(ranks[r] for r in st.arrivals))} came to it "
                 f"through the coordinator, rank {ranks[rank]} through the shared-memory lane")
-            rnd.error = err("mismatch", f"{rnd.op} #{seq} on group {key!r}: {why}")
-            self._finish(rnd)
-        return self._collect(key, 0, rnd, rank)
+            st.error = err("mismatch", f"{st.op} #{seq} on group {key!r}: {why}")
+            self._finish(st)
+        return self._collect(key, 0, st, rank)
 
     def transport_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
                           missing: List[int], progress: Dict[int, Tuple[str, int]],
