@@ -231,14 +231,13 @@ class CoordinatorClient:
         self._wait(self.handle.p2p_check.remote(key, waiting, waited_s), timeout_s, where)
 
 
-def rank_info() -> Dict[str, Any]:
-    """What a rank tells the coordinator about itself at rendezvous."""
-    from raycoll.transport.tcp import listener
-
+def rank_info(address: Any = None) -> Dict[str, Any]:
+    """What a rank tells the coordinator about itself at rendezvous; ``address``: where its
+    peers reach it directly (its listener's, :func:`raycoll.transport.tcp.listener`), or
+    ``None``. (The coordinator imports no transport.)"""
     ctx = ray.get_runtime_context()
-    where = listener()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
-                            "time": time.time(), "addr": where.address if where else None}
+                            "time": time.time(), "addr": address}
     try:
         info["actor_id"] = ctx.get_actor_id()
         info["actor"] = ctx.current_actor if info["actor_id"] else None
