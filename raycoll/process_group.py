@@ -23,10 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll import debug, errors
 from raycoll.backends import BackendConfig
-from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Route
+from raycoll.backends.base import CollectiveBackend, Completion
+from raycoll.context import Call, GroupContext, Route
 from raycoll.coordinator import CoordinatorClient
 from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
+from raycoll.transport.selection import GroupTransports
 from raycoll.work import DevicePending, Work
 
 logger = logging.getLogger("raycoll")
@@ -120,6 +122,7 @@ class ProcessGroup:
             actors=[root.members[g].get("actor") for g in self._global_ranks],
             addresses=[root.members[g].get("addr") for g in self._global_ranks],
             secret=root.secret,
+            transports=GroupTransports,
         )
 
     # ------------------------------------------------------------------ torch-like accessors
@@ -206,7 +209,7 @@ class ProcessGroup:
     @property
     def last_route(self) -> Optional[Route]:
         """How this rank's last CPU collective on the group moved its data: the transport,
-        its rounds and its steps through the coordinator (:class:`raycoll.backends.base.Route`),
+        its rounds and its steps through the coordinator (:class:`raycoll.context.Route`),
         or ``None`` before the first one. Read-only; for tests and debugging."""
         return self.context.last_route
 

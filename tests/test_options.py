@@ -14,7 +14,7 @@ import ray
 
 import raycoll
 from raycoll import options as options_module
-from raycoll.backends.base import _transport_option
+from raycoll.context import _transport_option
 from raycoll.world import world
 from raycoll.options import GroupOptions, or_default
 

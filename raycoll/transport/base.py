@@ -46,7 +46,7 @@ from raycoll import errors
 from raycoll.coordinator.logic import fingerprint_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import Call, GroupContext
+    from raycoll.context import Call, GroupContext
 
 __all__ = ["PerPeer", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
 

@@ -86,7 +86,7 @@ from raycoll.transport.base import RoundTransport, report_period_s
 from raycoll.transport.frames import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import GroupContext
+    from raycoll.context import GroupContext
 
 logger = logging.getLogger("raycoll")
 
