@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, overloa
 import numpy as np
 
 from raycoll import errors
-from raycoll.backends.base import Call, CollectiveBackend
+from raycoll.backends.base import CollectiveBackend
+from raycoll.context import Call
 from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupLike, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype

@@ -9,16 +9,17 @@ that joined last, e.g. to broadcast their final model state).
 
 How it runs here: each iteration is one *join round*, an all-gather of every rank's join
 sequence number (``None`` while it has inputs), like torch's one small all-reduce: on the
-group's shared-memory lane when it has one (every rank computes the answer; the coordinator
-only hears of each join and of the end, for group_status), else on the coordinator (one
-small round trip). A rank still working posts its round from
-:meth:`Join.notify_join_context` without waiting for it (it returns a :class:`Work`), so the
-round overlaps the rank's own work; a joined rank waits for the round's answer, which says
-whether ranks are left with inputs (run one shadow round) or everyone has joined (run the
-post-hooks; ``is_last_joiner`` comes from the join order the coordinator saw). With
-``throw_on_early_termination=True`` the working ranks wait for the round too, and every
-rank raises ``RuntimeError`` in the round where the first rank joined. The coordinator keeps
-who has joined and in what order, so :func:`raycoll.group_status` shows it from the driver.
+group's round transport when it has one (the shared-memory lane or direct connections:
+every rank computes the answer; the coordinator only hears of each join and of the end, for
+group_status), else on the coordinator (one small round trip). A rank still working posts
+its round from :meth:`Join.notify_join_context` without waiting for it (it returns a
+:class:`Work`), so the round overlaps the rank's own work; a joined rank waits for the
+round's answer, which says whether ranks are left with inputs (run one shadow round) or
+everyone has joined (run the post-hooks; ``is_last_joiner`` comes from the join order the
+coordinator saw). With ``throw_on_early_termination=True`` the working ranks wait for the
+round too, and every rank raises ``RuntimeError`` in the round where the first rank joined.
+The coordinator keeps who has joined and in what order, so :func:`raycoll.group_status`
+shows it from the driver.
 
 Semantics and signatures follow torch 2.x: ``Join(joinables, enable=True,
 throw_on_early_termination=False, **kwargs)`` (``kwargs`` go to every
@@ -302,10 +303,10 @@ class Join:
 # ---------------------------------------------------------------------- join rounds
 def _round_in_order(pg: ProcessGroup, call: Any, join_seq: Optional[int],
                     throw: bool) -> RoundResult:
-    """A join round run in the group's issue order: on the lane if the group has one by then,
-    else through the coordinator."""
+    """A join round run in the group's issue order: on the round transport if the group has
+    one by then, else through the coordinator."""
     if pg.lane_active:
-        return _lane_round(pg, call, join_seq, throw)
+        return _transport_round(pg, call, join_seq, throw)
     ref = _submit(pg, call, join_seq, throw)
     return pg.client.wait(ref, call.timeout_s, **pg.error_context(call))
 
@@ -331,12 +332,13 @@ def _run_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool
     return out[0]
 
 
-def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: bool) -> RoundResult:
-    """A join round on the group's shared-memory lane: an all-gather of every rank's join
-    sequence number (one small lane collective, as torch's one small all-reduce), each rank
-    computing the answer; the coordinator hears only of joins and of the end, for
-    group_status. Called in the group's issue order, so every rank takes this path for the
-    same round (the lane is set up or not alike on every rank)."""
+def _transport_round(pg: ProcessGroup, call: Any, join_seq: Optional[int],
+                     throw: bool) -> RoundResult:
+    """A join round on the group's round transport: an all-gather of every rank's join
+    sequence number (one small collective on the transport, as torch's one small
+    all-reduce), each rank computing the answer; the coordinator hears only of joins and of
+    the end, for group_status. Called in the group's issue order, so every rank takes this
+    path for the same round (the transport is set up or not alike on every rank)."""
     client = pg.client
     fp_call = pg.with_fingerprint(call, throw_on_early_termination=bool(throw))
     try:
@@ -346,7 +348,7 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
                                              **pg.error_context(call))
         client.submit_abort(pg.name, "mismatch", str(err), {})
         raise err from exc
-    if seqs is None:  # cannot happen: the lane was checked active in issue order
+    if seqs is None:  # cannot happen: the transport was checked active in issue order
         raise errors.CollectiveError(f"join #{call.seq} on group {pg.name!r}: the lane is gone",
                                      **pg.error_context(call))
     outcome, order, ended = join_outcome(pg.global_ranks, seqs, join_seq, throw)
@@ -361,12 +363,12 @@ def _lane_round(pg: ProcessGroup, call: Any, join_seq: Optional[int], throw: boo
 def _post_round(pg: ProcessGroup, call: Any) -> Work:
     """Post a working rank's join round now; its answer completes the returned ``Work``.
 
-    On a group with a shared-memory lane the round is one small lane collective, queued in
+    On a group with a round transport the round is one small collective on it, queued in
     the group's issue order like any async collective. Otherwise it is sent straight to the
     coordinator (not queued behind this rank's earlier async collectives: the coordinator
     matches rounds by sequence number, so order does not matter) and nothing waits for it, so
-    it overlaps the iteration's own work. Which of the two is decided in issue order (the lane
-    is set up inside a collective, at the same point on every rank).
+    it overlaps the iteration's own work. Which of the two is decided in issue order (the
+    transport is set up inside a collective, at the same point on every rank).
     """
     describe = f"join #{call.seq} on group {pg.name!r}"
     if pg.size() == 1:

@@ -23,10 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from raycoll import debug, errors
 from raycoll.backends import BackendConfig
-from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext, Route
+from raycoll.backends.base import CollectiveBackend, Completion
+from raycoll.context import Call, GroupContext, Route
 from raycoll.coordinator import CoordinatorClient
 from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
+from raycoll.transport.selection import GroupTransports
 from raycoll.work import DevicePending, Work
 
 logger = logging.getLogger("raycoll")
@@ -120,6 +122,7 @@ class ProcessGroup:
             actors=[root.members[g].get("actor") for g in self._global_ranks],
             addresses=[root.members[g].get("addr") for g in self._global_ranks],
             secret=root.secret,
+            transports=GroupTransports,
         )
 
     # ------------------------------------------------------------------ torch-like accessors
@@ -201,12 +204,12 @@ class ProcessGroup:
     def lane_active(self) -> bool:
         """Whether the group's round transport is set up (alike on every rank between
         collectives)."""
-        return self.context.lane_active
+        return self.context.transport_active
 
     @property
     def last_route(self) -> Optional[Route]:
         """How this rank's last CPU collective on the group moved its data: the transport,
-        its rounds and its steps through the coordinator (:class:`raycoll.backends.base.Route`),
+        its rounds and its steps through the coordinator (:class:`raycoll.context.Route`),
         or ``None`` before the first one. Read-only; for tests and debugging."""
         return self.context.last_route
 
@@ -229,7 +232,7 @@ class ProcessGroup:
     def report_progress(self) -> None:
         """Send the coordinator what this rank's round transport knows of every rank's
         progress (for ``group_status``)."""
-        self.context.lane_report()
+        self.context.transport_report()
 
     def error_context(self, call: Call) -> Dict[str, Any]:
         """The keyword arguments of a raycoll error about ``call`` on this rank."""
@@ -301,8 +304,8 @@ class ProcessGroup:
         if self.size() > 1:
             self._root.client.submit_reject(self._name, self._global_ranks, call.seq,
                                             self._rank, call.op, str(exc))
-            if not self.outstanding():  # else an earlier call's lane message comes first
-                self.context.lane_reject(call, str(exc))
+            if not self.outstanding():  # else an earlier call's transport message comes first
+                self.context.transport_reject(call, str(exc))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:
@@ -503,9 +506,9 @@ class ProcessGroup:
         missing: List[int] = []
         detail = ""
         try:
-            on_lane = self.context.lane_missing(call.seq)
-            if on_lane is not None:  # the call waits on the shared-memory lane
-                waiting, done = on_lane
+            on_transport = self.context.transport_missing(call.seq)
+            if on_transport is not None:  # the call waits on the round transport
+                waiting, done = on_transport
                 missing = [self._global_ranks[r] for r in waiting]
                 lasts = {self._global_ranks[r]: done.get(r) for r in waiting}
             else:

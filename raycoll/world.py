@@ -17,6 +17,7 @@ from raycoll.backends import backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.coordinator import CoordinatorClient, rank_info
 from raycoll.process_group import GroupSpec, ProcessGroup, _Root
+from raycoll.transport.tcp import listener
 
 logger = logging.getLogger("raycoll")
 
@@ -161,7 +162,9 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     """Rendezvous with the coordinator as ``rank`` and register the group in this process."""
     config = backend_config(spec.backend)
     client = CoordinatorClient(spec.coordinator, spec.name)
-    info = client.rendezvous(rank, spec.world_size, rank_info(), spec.timeout_s)
+    where = listener()  # this rank's direct-connection address, if it can listen
+    info = client.rendezvous(rank, spec.world_size, rank_info(where.address if where else None),
+                             spec.timeout_s)
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     root = _Root(spec.name, client, info["members"], spec.options, info.get("secret"),

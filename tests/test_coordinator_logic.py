@@ -1,4 +1,4 @@
-"""The coordinator's pure logic (raycoll.coordinator.logic) and its round matching, without Ray.
+"""The coordinator's pure logic (raycoll.coordinator.logic) and its step matching, without Ray.
 
 The logic module is plain Python; the actor's class is driven here directly on an asyncio
 loop (no Ray cluster, no actor): its matching, error texts and Join answers are the ones the
@@ -237,7 +237,7 @@ def _exchange(c, rank, fp, payload, mode="route", ranks=(0, 1), seq=1, timeout_s
     return c.exchange("g", ranks, seq, 0, rank, fp, None, None, payload, mode, None, timeout_s)
 
 
-def test_a_route_round_hands_each_rank_its_share() -> None:
+def test_a_route_step_hands_each_rank_its_share() -> None:
     async def body():
         c = Coordinator("g", 2)
         fp = {"op": "all_to_all"}
@@ -247,7 +247,7 @@ def test_a_route_round_hands_each_rank_its_share() -> None:
     assert _run(body) == [("ok", ["00", "10"]), ("ok", ["01", "11"])]
 
 
-def test_a_reduce_round_reduces_at_the_coordinator() -> None:
+def test_a_reduce_step_reduces_at_the_coordinator() -> None:
     async def body():
         c = Coordinator("g", 2)
         fp = {"op": "all_reduce", "reduce_op": ReduceOp.SUM.key}
@@ -259,7 +259,7 @@ def test_a_reduce_round_reduces_at_the_coordinator() -> None:
     assert all(list(r[1]) == [3.0, 3.0] for r in results)
 
 
-def test_a_mismatched_round_fails_on_every_rank_and_then_status_shows_it() -> None:
+def test_a_mismatched_step_fails_on_every_rank_and_then_status_shows_it() -> None:
     async def body():
         c = Coordinator("g", 2)
         out = await asyncio.gather(_exchange(c, 0, {"op": "all_reduce", "n": 1}, [None, None]),
@@ -275,7 +275,7 @@ def test_a_mismatched_round_fails_on_every_rank_and_then_status_shows_it() -> No
     assert "broken" not in status[1]["groups"]["g"]
 
 
-def test_a_round_times_out_naming_the_missing_rank_and_breaks_the_group() -> None:
+def test_a_step_times_out_naming_the_missing_rank_and_breaks_the_group() -> None:
     async def body():
         c = Coordinator("g", 2)
         first = await _exchange(c, 0, {"op": "barrier"}, None, timeout_s=0.05)
@@ -288,7 +288,7 @@ def test_a_round_times_out_naming_the_missing_rank_and_breaks_the_group() -> Non
     assert later == first  # the group is broken: later calls fail at once with the cause
 
 
-def test_a_rejected_round_fails_the_others_with_the_rejecting_rank() -> None:
+def test_a_rejected_step_fails_the_others_with_the_rejecting_rank() -> None:
     async def body():
         c = Coordinator("g", 2)
         waiting = asyncio.ensure_future(_exchange(c, 0, {"op": "broadcast"}, [None, None]))
@@ -301,7 +301,7 @@ def test_a_rejected_round_fails_the_others_with_the_rejecting_rank() -> None:
                                "rejected its arguments: src=9 is out of range", source=1)
 
 
-def test_an_abort_fails_waiting_rounds_and_messages_of_the_group_and_its_subgroups() -> None:
+def test_an_abort_fails_waiting_steps_and_messages_of_the_group_and_its_subgroups() -> None:
     async def body():
         c = Coordinator("g", 2)
         sub = asyncio.ensure_future(c.exchange("g/0-1#0", (0, 1), 1, 0, 0, {"op": "x"}, None,

@@ -52,7 +52,7 @@ def _small_collectives(rank: int) -> Dict[str, Any]:
     out["reduce"] = red.tolist()
     raycoll.barrier()
     pg = world().default
-    out["lane_calls"] = pg.context.lane_calls
+    out["lane_calls"] = pg.context.transport_calls
     return out
 
 
@@ -212,7 +212,7 @@ def test_lane_timeout_names_the_missing_rank_and_its_last_collective(ranks):
 def _two_all_reduces(rank: int) -> int:
     _works()
     _works()
-    return world().default.context.lane_calls
+    return world().default.context.transport_calls
 
 
 @pytest.mark.timeout(180)
@@ -249,7 +249,7 @@ def _uneven_all_to_all(rank: int) -> Any:
         np.zeros(w + (1 if rank == 1 else 0)), np.zeros(w),
         output_split_sizes=[1] * (w - 1) + [1 + (1 if rank == 1 else 0)],
         input_split_sizes=[1] * w))
-    return firsts, small.tolist(), bad, world().default.context.lane_calls
+    return firsts, small.tolist(), bad, world().default.context.transport_calls
 
 
 @pytest.mark.timeout(120)
@@ -327,7 +327,7 @@ def _join_on_lane(rank: int, notify: bool) -> Any:
                 joinable.step()
     except raycoll.CollectiveMismatchError as exc:
         return "mismatch", str(exc)
-    return joinable.total, joinable.last, world().default.context.lane_calls
+    return joinable.total, joinable.last, world().default.context.transport_calls
 
 
 @pytest.mark.timeout(120)

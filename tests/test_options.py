@@ -14,7 +14,7 @@ import ray
 
 import raycoll
 from raycoll import options as options_module
-from raycoll.backends.base import _transport_option
+from raycoll.context import _transport_option
 from raycoll.world import world
 from raycoll.options import GroupOptions, or_default
 
@@ -103,7 +103,7 @@ def _seen(rank: int) -> Dict[str, Any]:
     raycoll.all_reduce(x)
     pg = world().default
     return {"sum": x.tolist(), "options": pg.context.options, "transport": pg.transport_name,
-            "lane_active": pg.lane_active, "lane_calls": pg.context.lane_calls,
+            "lane_active": pg.lane_active, "lane_calls": pg.context.transport_calls,
             "nodes": len(pg.node_ids), "client": pg.client is pg.context.client}
 
 

@@ -1,6 +1,6 @@
 """The repository itself: nothing in it names one machine's absolute paths (a fresh clone
 anywhere must work as it is), no module of the package grows past a few hundred lines, and
-no modules of the package import each other in a circle."""
+no modules of the package import each other in a circle (not even for type checking)."""
 
 from __future__ import annotations
 
@@ -64,23 +64,13 @@ def _module_names(package: Path) -> dict:
     return names
 
 
-def _nodes(node: ast.AST):
-    """Every node under ``node`` except the bodies of ``if TYPE_CHECKING:``."""
-    yield node
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            for other in child.orelse:
-                yield from _nodes(other)
-        else:
-            yield from _nodes(child)
-
-
 def _imports(name: str, path: Path, modules: dict) -> set:
-    """The package's modules that module ``name`` imports, at import time or inside a
-    function (a lazy import closes a circle as surely), not under ``TYPE_CHECKING``."""
+    """The package's modules that module ``name`` imports, at import time, inside a function
+    (a lazy import closes a circle as surely) or under ``if TYPE_CHECKING:`` (a circle of
+    types is a circle of layers: a module below names one above it)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -131,13 +121,29 @@ def test_the_circle_finder_finds_a_circle_through_a_lazy_import(tmp_path: Path) 
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from pkg import b\n")
     (pkg / "b.py").write_text("def f():\n    from . import c\n")
-    (pkg / "c.py").write_text("import pkg.a\nfrom typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    from pkg import b\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
     (pkg / "d.py").write_text("from pkg.a import x\n")
     modules = _module_names(pkg)
     graph = {m: _imports(m, p, modules) for m, p in modules.items()}
     assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.a"}
     assert _circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_the_circle_finder_finds_a_circle_through_a_type_only_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "high.py").write_text("from pkg.low import wire\n")
+    (pkg / "low" / "wire.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:  # pragma: no cover\n"
+        "    from pkg.high import Context\nelse:\n    import json\n")
+    (pkg / "other.py").write_text("import typing\nif typing.TYPE_CHECKING:\n"
+                                  "    from .low import wire\n")
+    modules = _module_names(pkg)
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    assert graph["pkg.low.wire"] == {"pkg.high"} and graph["pkg.other"] == {"pkg.low.wire"}
+    assert _circles(graph) == [["pkg.high", "pkg.low.wire"]]
 
 
 def test_no_import_circle_in_the_package() -> None:

@@ -26,5 +26,5 @@ def test_short_soak_keeps_memory_flat(ray_local):
     assert report.rank_growth() < 16e6, report.summary()
     assert report.coordinator_growth() < 16e6, report.summary()
     for tables in report.coordinator_tables:
-        assert tables["rounds"] == 0 and tables["mail"] == 0 and tables["receivers"] == 0, tables
+        assert tables["steps"] == 0 and tables["mail"] == 0 and tables["receivers"] == 0, tables
         assert tables["waits"] == 0 and tables["leases"] == cfg.world_size, tables

@@ -505,13 +505,13 @@ def test_import_raycoll_does_not_import_torch_and_registers_once_torch_is():
 
 
 # Other ways into the backend: register() by hand before torch is imported (it imports torch,
-# whose import runs the hook, which calls register() again), and the private module first
-# (its own ``import torch`` runs the hook while it is half-defined).
+# whose import runs the hook, which calls register() again), and one of the package's modules
+# that import torch first (its own ``import torch`` runs the hook while it is half-defined).
 _IMPORT_ORDERS = {
     "register_before_torch": "import raycoll.torch_backend as tb\nassert tb.register()",
-    "torch_pg_first": "import raycoll._torch_pg",
-    "torch_then_torch_pg": "import torch\nimport raycoll._torch_pg",
-    "torch_rendezvous_first": "import raycoll._torch_rendezvous",
+    "process_group_first": "import raycoll.torch_backend.process_group",
+    "torch_then_process_group": "import torch\nimport raycoll.torch_backend.process_group",
+    "rendezvous_first": "import raycoll.torch_backend.rendezvous",
 }
 
 

@@ -187,7 +187,7 @@ def _garble(rank: int) -> Any:
     x = np.ones(4)
     raycoll.all_reduce(x)  # connections are up
     if rank == 1:
-        out = ctx._links.outgoing(0, "coll", 10.0)
+        out = ctx._transports.links.outgoing(0, "coll", 10.0)
         out.sock.setblocking(True)
         out.sock.sendall(b"\xde\xad" * 64)  # not a frame
         out.sock.setblocking(False)

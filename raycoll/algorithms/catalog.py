@@ -57,7 +57,7 @@ def _pipelined(builder: Callable[[int], List[Step]], n: int, segments: int) -> L
     step ``s - 1`` of segment ``k + 1``, ..., so each message stays small (in the caches
     between its copy into the receiver's buffer and the reduction) while every step of one
     segment still follows the one before."""
-    phases = []
+    phases: List[List[Step]] = []
     for k, (lo, hi) in enumerate(blocks(0, n, segments)):
         shifted = [[t._replace(lo=t.lo + lo, hi=t.hi + lo) for t in step]
                    for step in builder(hi - lo)]

@@ -17,7 +17,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from raycoll.algorithms.flat import chunk_bounds, copy_into, flat_in, flat_out, reduce_received
-from raycoll.backends.base import Call, GroupContext
+from raycoll.context import Call, GroupContext
 from raycoll.reduce_op import ReduceOp, combine, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 from raycoll.transport.base import PerPeer

@@ -22,7 +22,7 @@ from raycoll.algorithms.flat import (
     spans,
     split,
 )
-from raycoll.backends.base import Call, GroupContext
+from raycoll.context import Call, GroupContext
 from raycoll.reduce_op import ReduceOp, finalize
 from raycoll.reduce_op import combine_into as _combine_into
 

@@ -16,8 +16,8 @@ The package, by concern:
 - :mod:`.logic`: the pure part (result encoding, fingerprint and metadata matching, error
   texts, Join answers), no Ray; what other modules import when they need only a helper.
 - :mod:`.state`: the actor's tables; :mod:`.actor`: the actor (membership, key-value store,
-  status) and how it is started, combining :mod:`.rounds` (round matching), :mod:`.lane`
-  (lane bookkeeping), :mod:`.join_state`, :mod:`.mailbox` (point to point) and
+  status) and how it is started, combining :mod:`.steps` (step matching), :mod:`.transports`
+  (round-transport bookkeeping), :mod:`.join_state`, :mod:`.mailbox` (point to point) and
   :mod:`.liveness` (leases, probes, rank death).
 - :mod:`.client`: :class:`CoordinatorClient`, one typed method per RPC, every wait bounded.
 """

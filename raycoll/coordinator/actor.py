@@ -1,9 +1,10 @@
 """The coordinator actor: one async Ray actor per root group, and how it is started.
 
 :class:`Coordinator` combines the concerns, each in its own module: membership
-(rendezvous, leave), the key-value store and ``status`` here; round matching
-(:mod:`.rounds`), lane bookkeeping (:mod:`.lane`), Join state (:mod:`.join_state`), the
-point-to-point mailbox (:mod:`.mailbox`) and liveness (:mod:`.liveness`). Every RPC answers
+(rendezvous, leave), the key-value store and ``status`` here; step matching
+(:mod:`.steps`), round-transport bookkeeping (:mod:`.transports`), Join state
+(:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`) and liveness
+(:mod:`.liveness`). Every RPC answers
 with a result tuple (:mod:`.logic`); ranks call it through
 :class:`raycoll.coordinator.client.CoordinatorClient`.
 """
@@ -18,14 +19,14 @@ import ray
 
 from raycoll import errors
 from raycoll.coordinator.join_state import JoinMixin
-from raycoll.coordinator.lane import LaneMixin
 from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
-from raycoll.coordinator.rounds import RoundsMixin
+from raycoll.coordinator.steps import StepsMixin
+from raycoll.coordinator.transports import TransportMixin
 
 
-class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin):
+class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
@@ -85,7 +86,7 @@ class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin
             self._members.clear()
             self._formed = asyncio.Event()
             self._generation += 1
-            self._rounds.clear()
+            self._steps.clear()
             self._broken.clear()
             self._last.clear()
             self._current.clear()
@@ -131,9 +132,9 @@ class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin
             }
             if key in self._broken:
                 out[key]["broken"] = self._broken[key][2]
-            if key in self._lane_groups:
-                out[key]["transport"] = self._lane_groups[key]
-                out[key]["lane"] = self._lane_groups[key] == "lane"
+            if key in self._transports:
+                out[key]["transport"] = self._transports[key]
+                out[key]["lane"] = self._transports[key] == "lane"
             self._join_status(key, out[key])
         return ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})
@@ -141,7 +142,7 @@ class Coordinator(RoundsMixin, LaneMixin, JoinMixin, MailboxMixin, LivenessMixin
     def state_sizes(self) -> Result:
         """How many entries the coordinator holds per table (a leak check for soak runs)."""
         return ok({
-            "rounds": len(self._rounds), "groups": len(self._groups), "broken": len(self._broken),
+            "steps": len(self._steps), "groups": len(self._groups), "broken": len(self._broken),
             "mail": sum(len(q) for q in self._mail.values()),
             "receivers": sum(len(q) for q in self._waiting.values()),
             "kv": len(self._kv), "leases": len(self._leases),

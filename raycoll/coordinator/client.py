@@ -29,7 +29,7 @@ __all__ = ["CoordinatorClient", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
 
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
 GRACE_S = 10.0
-#: Bound on a waiting rank's checks (lane_check, lane_timeout, p2p_check).
+#: Bound on a waiting rank's checks (transport_check, transport_timeout, p2p_check).
 CHECK_TIMEOUT_S = 30.0
 #: Bound on leaving a group (destroy_process_group).
 LEAVE_TIMEOUT_S = 10.0
@@ -164,32 +164,33 @@ class CoordinatorClient:
         ``{"missing": [...], "last": {rank: (op, seq) or None}}``."""
         return self._wait(self.handle.pending.remote(key, seq), timeout_s, where)
 
-    # ------------------------------------------------------------------ the lane
-    def lane_check(self, key: str, ranks: Sequence[int], seq: int, rank: int,
-                   fp: Dict[str, Any], progress: Progress, waiting: Sequence[int],
-                   waited_s: float, *, where: Where = None,
-                   timeout_s: float = CHECK_TIMEOUT_S) -> None:
-        """A lane wait for group ranks ``waiting`` has lasted ``waited_s``: raises the error
-        that ends it, if the coordinator has one (see ``Coordinator.lane_check``)."""
-        ref: "ray.ObjectRef" = self.handle.lane_check.remote(
+    # ------------------------------------------------------------------ round transports
+    def transport_check(self, key: str, ranks: Sequence[int], seq: int, rank: int,
+                        fp: Dict[str, Any], progress: Progress, waiting: Sequence[int],
+                        waited_s: float, *, where: Where = None,
+                        timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """A wait on the round transport for group ranks ``waiting`` has lasted
+        ``waited_s``: raises the error that ends it, if the coordinator has one (see
+        ``Coordinator.transport_check``)."""
+        ref: "ray.ObjectRef" = self.handle.transport_check.remote(
             key, ranks, seq, rank, fp, progress, list(waiting), waited_s)
         self._wait(ref, timeout_s, where)
 
-    def lane_timeout(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
-                     missing: Sequence[int], progress: Progress, timeout_s: float, *,
-                     where: Where = None, wait_s: float = CHECK_TIMEOUT_S) -> None:
-        """Collective ``seq`` timed out (after ``timeout_s``) on the lane waiting for group
-        ranks ``missing``: raises the error naming them (the coordinator breaks the group);
-        waits ``wait_s`` for it."""
-        ref: "ray.ObjectRef" = self.handle.lane_timeout.remote(
+    def transport_timeout(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
+                          missing: Sequence[int], progress: Progress, timeout_s: float, *,
+                          where: Where = None, wait_s: float = CHECK_TIMEOUT_S) -> None:
+        """Collective ``seq`` timed out (after ``timeout_s``) on the round transport waiting
+        for group ranks ``missing``: raises the error naming them (the coordinator breaks the
+        group); waits ``wait_s`` for it."""
+        ref: "ray.ObjectRef" = self.handle.transport_timeout.remote(
             key, ranks, seq, rank, op, list(missing), progress, timeout_s)
         self._wait(ref, wait_s, where)
 
-    def submit_lane_progress(self, key: str, ranks: Sequence[int], progress: Progress,
-                             transport: str = "lane") -> "ray.ObjectRef":
+    def submit_transport_progress(self, key: str, ranks: Sequence[int], progress: Progress,
+                                  transport: str = "lane") -> "ray.ObjectRef":
         """Tell the coordinator each group rank's last completed collective on round
         transport ``transport`` (for group_status); does not wait."""
-        return self.handle.lane_progress.remote(key, ranks, progress, transport)
+        return self.handle.transport_progress.remote(key, ranks, progress, transport)
 
     # ------------------------------------------------------------------ join
     def submit_join_round(self, key: str, ranks: Sequence[int], seq: int, rank: int,
@@ -230,14 +231,13 @@ class CoordinatorClient:
         self._wait(self.handle.p2p_check.remote(key, waiting, waited_s), timeout_s, where)
 
 
-def rank_info() -> Dict[str, Any]:
-    """What a rank tells the coordinator about itself at rendezvous."""
-    from raycoll.transport.tcp import listener
-
+def rank_info(address: Any = None) -> Dict[str, Any]:
+    """What a rank tells the coordinator about itself at rendezvous; ``address``: where its
+    peers reach it directly (its listener's, :func:`raycoll.transport.tcp.listener`), or
+    ``None``. (The coordinator imports no transport.)"""
     ctx = ray.get_runtime_context()
-    where = listener()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
-                            "time": time.time(), "addr": where.address if where else None}
+                            "time": time.time(), "addr": address}
     try:
         info["actor_id"] = ctx.get_actor_id()
         info["actor"] = ctx.current_actor if info["actor_id"] else None

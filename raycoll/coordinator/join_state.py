@@ -3,7 +3,7 @@
 raycoll.Join runs one "join round" per iteration on its group: ranks still processing
 inputs arrive from Join.notify_join_context with join_seq=None; ranks that have joined
 arrive from Join.__exit__ with the sequence number of the round in which they joined.
-A join round is an ordinary exchange round (op "join"), so fingerprints, timeouts that
+A join round is an ordinary exchange step (op "join"), so fingerprints, timeouts that
 name the missing ranks, aborts and group_status work as for any collective. Each rank's
 answer is computed from what every rank sent in that very round; the state kept here
 (who has joined, in what order) only feeds group_status and can never make ranks disagree.

@@ -219,18 +219,18 @@ class LivenessMixin(CoordinatorState):
             return
         failed = sorted(self._dead)
         text = self._dead_text()
-        for (key, _seq, _step), rnd in list(self._rounds.items()):
-            if rnd.done.is_set():
+        for (key, _seq, _step), st in list(self._steps.items()):
+            if st.done.is_set():
                 continue
             ranks = self._groups.get(key, ())
-            waiting_for = [ranks[r] for r in range(rnd.size) if r not in rnd.arrivals]
-            rnd.error = err(
+            waiting_for = [ranks[r] for r in range(st.size) if r not in st.arrivals]
+            st.error = err(
                 "rank_failed",
-                f"{rnd.op} #{rnd.seq} on group {key!r} cannot complete: {text} (the collective "
+                f"{st.op} #{st.seq} on group {key!r} cannot complete: {text} (the collective "
                 f"was waiting for ranks {fmt_ranks(waiting_for)})",
                 failed_ranks=failed)
-            self._broken[key] = rnd.error
-            self._finish(rnd)
+            self._broken[key] = st.error
+            self._finish(st)
         self.abort(self._group_name, "rank_failed",
                    f"group {self._group_name!r} is broken: {text}; destroy the group and form it "
                    "again", {"failed_ranks": failed})

@@ -151,7 +151,7 @@ def p2p_mismatch(key: str, ranks: Sequence[int], src: int, dst: int, tag: int,
 
 
 def route(payloads: Sequence[Optional[Sequence[Any]]]) -> Dict[int, List[Any]]:
-    """Each group rank's share of a routed round: ``payloads[s][r]`` is what ``s`` sends
+    """Each group rank's share of a routed step: ``payloads[s][r]`` is what ``s`` sends
     ``r`` (``payloads[s]`` ``None``: ``s`` sends nothing); rank ``r`` gets the list by source."""
     size = len(payloads)
     return {r: [(p[r] if p is not None else None) for p in payloads] for r in range(size)}

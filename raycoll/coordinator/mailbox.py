@@ -3,7 +3,7 @@
 Used when a pair of ranks has no direct connection: a send is posted for its destination and
 resolves once a receive matched it; a receive takes the first posted send from its source
 (``None``: any) with its tag, or waits for one. Mismatched metadata fails both sides; an
-abort fails every posted send and receive of the broken groups (see ``RoundsMixin.abort``).
+abort fails every posted send and receive of the broken groups (see ``StepsMixin.abort``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The coordinator actor's tables, shared by the concerns that make up the actor.
 
-:class:`CoordinatorState` creates every table once; the mixins (:mod:`.rounds`,
-:mod:`.lane`, :mod:`.join_state`, :mod:`.mailbox`, :mod:`.liveness`) hold the behaviour,
+:class:`CoordinatorState` creates every table once; the mixins (:mod:`.steps`,
+:mod:`.transports`, :mod:`.join_state`, :mod:`.mailbox`, :mod:`.liveness`) hold the behaviour,
 and :class:`raycoll.coordinator.actor.Coordinator` combines them. The methods one concern
 calls on another are declared here for the type checker.
 """
@@ -20,7 +20,7 @@ from raycoll.coordinator.logic import Result
 
 @dataclass
 class Arrival:
-    """What one rank brought to a round."""
+    """What one rank brought to a step."""
 
     fp: Dict[str, Any]
     send_meta: Optional[List[Any]]
@@ -29,8 +29,9 @@ class Arrival:
 
 
 @dataclass
-class Round:
-    """One step of one collective on one group: who arrived, with what, and the outcome."""
+class Step:
+    """One step of one collective through the coordinator on one group: who arrived, with
+    what, and the outcome."""
 
     op: str
     seq: int
@@ -82,9 +83,9 @@ class CoordinatorState:
         # key-value store
         self._kv: Dict[str, Any] = {}
         self._kv_events: Dict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        # rounds: (group, seq, step) -> round; each group's global ranks; why a group broke;
+        # steps: (group, seq, step) -> step; each group's global ranks; why a group broke;
         # by group rank, the last completed and the current collective (name, seq)
-        self._rounds: Dict[Tuple[str, int, int], Round] = {}
+        self._steps: Dict[Tuple[str, int, int], Step] = {}
         self._groups: Dict[str, Tuple[int, ...]] = {}
         self._broken: Dict[str, Result] = {}
         self._last: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
@@ -97,7 +98,7 @@ class CoordinatorState:
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
         # groups whose ranks reported progress on a round transport, and its name
-        self._lane_groups: Dict[str, str] = {}
+        self._transports: Dict[str, str] = {}
         # liveness (see raycoll.coordinator.liveness)
         self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
         self._death_report: Optional[asyncio.TimerHandle] = None
@@ -119,8 +120,8 @@ class CoordinatorState:
                            rank: int, fp: Dict[str, Any], send_meta: Optional[List[Any]],
                            recv_meta: Optional[List[Any]], payload: Any, mode: str,
                            root: Optional[int], timeout_s: float) -> Result: ...
-        def _finish(self, rnd: Round) -> None: ...
-        def _collect(self, key: str, step: int, rnd: Round, rank: int) -> Result: ...
+        def _finish(self, st: Step) -> None: ...
+        def _collect(self, key: str, step: int, st: Step, rank: int) -> Result: ...
         def _timeout_error(self, key: str, op: str, seq: int, missing_local: Sequence[int],
                            timeout_s: float) -> Result: ...
         def _unusable(self, key: str) -> Optional[Result]: ...

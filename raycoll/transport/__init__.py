@@ -6,7 +6,8 @@
 - :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes): collective rounds,
   built on :mod:`~raycoll.transport.frames` (the wire format), :mod:`~raycoll.transport.links`
   (the listener and a group's connections) and :mod:`~raycoll.transport.mailbox` (point to
-  point).
+  point);
+- :mod:`raycoll.transport.selection`: which of them a group uses, and setting it up.
 
 A group picks its transport once, at its first collective, the same on every rank (group
 option ``transport``: ``"auto"``, ``"lane"``, ``"tcp"``, ``"store"``); what has none goes

@@ -13,7 +13,7 @@ skip what an earlier failed call left, keep what a later call sent early), the
 fingerprint check (every rank sees every rank's fingerprint, so a mismatch raises the same
 ``CollectiveMismatchError`` everywhere), rejections, and the waiting policy with its
 control-plane checks (a dead rank, an abort or a timeout ends the wait with the
-coordinator's error; see ``Coordinator.lane_check``). A collective that runs while its caller
+coordinator's error; see ``Coordinator.transport_check``). A collective that runs while its caller
 goes on computing (``async_op=True``, on the group's worker thread, until someone waits for
 its ``Work``: see :func:`overlapping`) never spins or yields-polls: it sleeps between polls,
 leaving the core to the caller (measured with torch's DDP, whose bucket all_reduces overlap
@@ -47,7 +47,7 @@ from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.transport.counters import Counters, payload_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import Call, GroupContext
+    from raycoll.context import Call, GroupContext
 
 __all__ = ["PerPeer", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
 
@@ -411,8 +411,8 @@ class RoundTransport:
             self._reported_at = now
             progress = self._progress()
         try:
-            self.ctx.client.submit_lane_progress(self.ctx.group_name, self.ctx.global_ranks,
-                                                 progress, self.kind)
+            self.ctx.client.submit_transport_progress(self.ctx.group_name,
+                                                      self.ctx.global_ranks, progress, self.kind)
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 
@@ -437,14 +437,14 @@ class RoundTransport:
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
         """Ask the coordinator whether this wait (for group ranks ``waiting``, for
         ``waited_s``) should end; raises its error if so."""
-        self.ctx.client.lane_check(
+        self.ctx.client.transport_check(
             self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.fp,
             self._progress(), waiting, waited_s, where=self.ctx.ctx(call))
 
     def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
         """The error for ``call`` timing out waiting for group ranks ``missing``."""
         try:
-            self.ctx.client.lane_timeout(
+            self.ctx.client.transport_timeout(
                 self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.op,
                 missing, self._progress(), call.timeout_s, where=self.ctx.ctx(call))
         except errors.RaycollError as exc:

@@ -26,14 +26,16 @@ there, before any data moved; a call's timeout covers all its rounds):
   raises the same ``CollectiveMismatchError``); a rank whose call went to the coordinator
   instead (another collective, or a large one) is found by the lane ranks' periodic check;
 - **timeouts, dead ranks, broken groups**: while a read waits, the rank asks the coordinator
-  every so often (``Coordinator.lane_check``, first after 0.1 s, then at most every second):
-  a dead rank, an aborted group, a rejection end the wait with the coordinator's error; at the
-  call's timeout, ``Coordinator.lane_timeout`` names the ranks whose messages never came, with
-  their last completed collective (each check reports what this rank has seen of its peers);
+  every so often (``Coordinator.transport_check``, first after 0.1 s, then at most every
+  second): a dead rank, an aborted group, a rejection end the wait with the coordinator's
+  error; at the call's timeout, ``Coordinator.transport_timeout`` names the ranks whose
+  messages never came, with their last completed collective (each check reports what this
+  rank has seen of its peers);
   a rank whose lane call fails that way closes its channel, so a rank arriving late fails too
   instead of completing with the messages left behind;
 - **group_status**: ranks tell the coordinator their lane progress at most every 0.1 s
-  (``Coordinator.lane_progress``, one fire-and-forget call), and group_status waits that long.
+  (``Coordinator.transport_progress``, one fire-and-forget call), and group_status waits that
+  long.
 
 Waiting: a read first spins for up to 1 ms when the group's ranks fit the node's cores
 (a spin that runs its full length backs off: for a while the rank yield-polls instead, in
@@ -84,7 +86,7 @@ from raycoll.transport.base import RoundTransport, report_period_s
 from raycoll.transport.frames import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import GroupContext
+    from raycoll.context import GroupContext
 
 logger = logging.getLogger("raycoll")
 

@@ -27,7 +27,7 @@ from raycoll.transport.frames import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import GroupContext
+    from raycoll.context import GroupContext
 
 logger = logging.getLogger("raycoll")
 

@@ -66,7 +66,7 @@ from raycoll.transport.links import (
 from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.backends.base import GroupContext
+    from raycoll.context import GroupContext
 
 __all__ = ["listen_address", "listener", "tcp_possible", "Links", "TcpTransport", "Mailbox",
            "IFNAME_ENV", "CLOSED_GRACE_S", "P2P_SPIN_S"]

@@ -1,5 +1,5 @@
 """torch's store and rendezvous for the raycoll backend (imports torch; imported lazily by
-:mod:`raycoll._torch_pg`).
+:mod:`raycoll.torch_backend.process_group`).
 
 The ranks already met through raycoll's coordinator, so ``init_process_group("raycoll")``
 needs no rendezvous of torch's, yet torch's frontend insists on a store:

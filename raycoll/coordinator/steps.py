@@ -1,10 +1,12 @@
-"""Round matching: every collective's arrivals at the coordinator, matched and answered.
+"""Step matching: every collective's arrivals at the coordinator, matched and answered.
 
-A round is one step of one collective on one group, keyed ``(group, seq, step)``. Each rank
-arrives with its fingerprint (op, shapes, dtypes, reduce op, root: compared across ranks),
-the metadata of what it sends and expects, and its payload; the last to arrive completes the
-round (a mismatch fails it on every rank), routes or reduces the payloads, and wakes the
-others. A rank that rejects its own arguments, an abort or a timeout fails the round for all.
+A step is one exchange of one collective through the coordinator on one group, keyed
+``(group, seq, step)`` (a collective takes one step or a few; the rounds of a round
+transport, :mod:`raycoll.transport`, never come here). Each rank arrives with its
+fingerprint (op, shapes, dtypes, reduce op, root: compared across ranks), the metadata of
+what it sends and expects, and its payload; the last to arrive completes the step (a
+mismatch fails it on every rank), routes or reduces the payloads, and wakes the others. A
+rank that rejects its own arguments, an abort or a timeout fails the step for all.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from raycoll.coordinator.logic import (Result, err, fingerprint_mismatch, meta_mismatch, ok,
                                        route, subgroup_keys, timeout_error)
-from raycoll.coordinator.state import Arrival, CoordinatorState, Round
+from raycoll.coordinator.state import Arrival, CoordinatorState, Step
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 
 
-class RoundsMixin(CoordinatorState):
+class StepsMixin(CoordinatorState):
     """The collectives' RPCs: ``exchange``, ``reject``, ``abort``, ``pending``."""
 
     async def exchange(
@@ -48,22 +50,22 @@ class RoundsMixin(CoordinatorState):
             return failed
         self._groups[key] = tuple(ranks)
         size = len(ranks)
-        rnd = self._round(key, seq, step, fp.get("op", "?"), size)
-        if rank in rnd.arrivals:
-            return err("protocol", f"group rank {rank} arrived twice at {rnd.op} #{seq}")
-        self._current[key][rank] = (rnd.op, seq)
-        if not rnd.done.is_set():
-            rnd.arrivals[rank] = Arrival(fp, send_meta, recv_meta, payload)
-            if len(rnd.arrivals) == size:
-                self._complete(key, rnd, mode, root)
-        if not rnd.done.is_set():
+        st = self._step(key, seq, step, fp.get("op", "?"), size)
+        if rank in st.arrivals:
+            return err("protocol", f"group rank {rank} arrived twice at {st.op} #{seq}")
+        self._current[key][rank] = (st.op, seq)
+        if not st.done.is_set():
+            st.arrivals[rank] = Arrival(fp, send_meta, recv_meta, payload)
+            if len(st.arrivals) == size:
+                self._complete(key, st, mode, root)
+        if not st.done.is_set():
             try:
                 with self._watching(ranks):
-                    await asyncio.wait_for(rnd.done.wait(), timeout_s)
+                    await asyncio.wait_for(st.done.wait(), timeout_s)
             except asyncio.TimeoutError:
-                if not rnd.done.is_set():
-                    self._time_out(key, rnd, timeout_s)
-        return self._collect(key, step, rnd, rank)
+                if not st.done.is_set():
+                    self._time_out(key, st, timeout_s)
+        return self._collect(key, step, st, rank)
 
     async def exchange_packed(self, request: Tuple[Any, ...]) -> Result:
         """:meth:`exchange` with its arguments in one tuple: the collectives' hot path.
@@ -77,13 +79,13 @@ class RoundsMixin(CoordinatorState):
     def reject(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str, message: str) -> Result:
         """``rank`` rejected its own arguments for collective ``seq``: fail it on every rank."""
         self._groups[key] = tuple(ranks)
-        rnd = self._round(key, seq, 0, op, len(ranks))
-        if not rnd.done.is_set():
-            rnd.error = err("peer_arg", f"{op} #{seq} on group {key!r} cannot run: rank "
+        st = self._step(key, seq, 0, op, len(ranks))
+        if not st.done.is_set():
+            st.error = err("peer_arg", f"{op} #{seq} on group {key!r} cannot run: rank "
                             f"{ranks[rank]} rejected its arguments: {message}", source=ranks[rank])
-            self._finish(rnd)
-        rnd.collected.add(rank)
-        self._maybe_drop(key, 0, rnd)
+            self._finish(st)
+        st.collected.add(rank)
+        self._maybe_drop(key, 0, st)
         return ok()
 
     def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None) -> Result:
@@ -92,10 +94,10 @@ class RoundsMixin(CoordinatorState):
         keys = subgroup_keys(key, self._groups)
         for k in keys:
             self._broken.setdefault(k, error)
-        for (k, _seq, _step), rnd in list(self._rounds.items()):
-            if k in keys and not rnd.done.is_set():
-                rnd.error = self._broken[k]
-                self._finish(rnd)
+        for (k, _seq, _step), st in list(self._steps.items()):
+            if k in keys and not st.done.is_set():
+                st.error = self._broken[k]
+                self._finish(st)
         for (k, _dst), items in list(self._mail.items()):
             if k in keys:
                 for msg in items:
@@ -114,56 +116,56 @@ class RoundsMixin(CoordinatorState):
         """Which global ranks have not yet arrived at collective ``seq`` of group ``key``."""
         ranks = self._groups.get(key, ())
         arrived = set()
-        for (k, s, _step), rnd in self._rounds.items():
+        for (k, s, _step), st in self._steps.items():
             if k == key and s == seq:
-                arrived |= set(rnd.arrivals)
+                arrived |= set(st.arrivals)
         missing = [ranks[r] for r in range(len(ranks)) if r not in arrived]
         return ok({"missing": missing, "last": self._last_of(key, missing)})
 
     # ------------------------------------------------------------------ internals
-    def _round(self, key: str, seq: int, step: int, op: str, size: int) -> Round:
-        rk = (key, seq, step)
-        rnd = self._rounds.get(rk)
-        if rnd is None:
-            rnd = self._rounds[rk] = Round(op, seq, size)
-        return rnd
+    def _step(self, key: str, seq: int, step: int, op: str, size: int) -> Step:
+        sk = (key, seq, step)
+        st = self._steps.get(sk)
+        if st is None:
+            st = self._steps[sk] = Step(op, seq, size)
+        return st
 
-    def _complete(self, key: str, rnd: Round, mode: str, root: Optional[int]) -> None:
+    def _complete(self, key: str, st: Step, mode: str, root: Optional[int]) -> None:
         ranks = self._groups[key]
-        arrivals = rnd.arrivals
+        arrivals = st.arrivals
         mismatch = (fingerprint_mismatch({r: a.fp for r, a in arrivals.items()}, ranks)
                     or meta_mismatch({r: a.send_meta for r, a in arrivals.items()},
                                      {r: a.recv_meta for r, a in arrivals.items()}, ranks))
         if mismatch:
-            rnd.error = err("mismatch", f"{rnd.op} #{rnd.seq} on group {key!r}: {mismatch}")
+            st.error = err("mismatch", f"{st.op} #{st.seq} on group {key!r}: {mismatch}")
         elif mode == "reduce":
-            arrays = [arrivals[r].payload for r in range(rnd.size)]
+            arrays = [arrivals[r].payload for r in range(st.size)]
             try:
                 out = reduce_arrays(ReduceOp(*arrivals[0].fp["reduce_op"]), arrays)
             except Exception as exc:  # noqa: BLE001 - reported to every rank
-                rnd.error = err("value", f"{rnd.op} #{rnd.seq} on group {key!r}: {exc}")
+                st.error = err("value", f"{st.op} #{st.seq} on group {key!r}: {exc}")
             else:
-                rnd.results = {r: out if root is None or r == root else None for r in range(rnd.size)}
+                st.results = {r: out if root is None or r == root else None for r in range(st.size)}
         else:
-            rnd.results = route([arrivals[s].payload for s in range(rnd.size)])
+            st.results = route([arrivals[s].payload for s in range(st.size)])
         for arrival in arrivals.values():
             arrival.payload = None
-        if rnd.error is None:
-            for r in range(rnd.size):
-                self._last[key][r] = (rnd.op, rnd.seq)
-        self._finish(rnd)
+        if st.error is None:
+            for r in range(st.size):
+                self._last[key][r] = (st.op, st.seq)
+        self._finish(st)
 
-    def _finish(self, rnd: Round) -> None:
-        for arrival in rnd.arrivals.values():  # release payload refs now, even on failure
+    def _finish(self, st: Step) -> None:
+        for arrival in st.arrivals.values():  # release payload refs now, even on failure
             arrival.payload = None
-        rnd.done.set()
+        st.done.set()
 
-    def _time_out(self, key: str, rnd: Round, timeout_s: float) -> None:
-        missing_local = [r for r in range(rnd.size) if r not in rnd.arrivals]
-        rnd.error = self._timeout_error(key, rnd.op, rnd.seq, missing_local, timeout_s)
-        if rnd.op != "monitored_barrier":  # a diagnostic: it reports, the group stays usable
-            self._broken[key] = rnd.error
-        self._finish(rnd)
+    def _time_out(self, key: str, st: Step, timeout_s: float) -> None:
+        missing_local = [r for r in range(st.size) if r not in st.arrivals]
+        st.error = self._timeout_error(key, st.op, st.seq, missing_local, timeout_s)
+        if st.op != "monitored_barrier":  # a diagnostic: it reports, the group stays usable
+            self._broken[key] = st.error
+        self._finish(st)
 
     def _timeout_error(self, key: str, op: str, seq: int, missing_local: Sequence[int],
                        timeout_s: float) -> Result:
@@ -177,15 +179,15 @@ class RoundsMixin(CoordinatorState):
         ranks = self._groups.get(key, ())
         return {g: self._last[key].get(ranks.index(g)) if g in ranks else None for g in global_ranks}
 
-    def _collect(self, key: str, step: int, rnd: Round, rank: int) -> Result:
-        rnd.collected.add(rank)
-        if rnd.error is not None:
-            result = rnd.error
+    def _collect(self, key: str, step: int, st: Step, rank: int) -> Result:
+        st.collected.add(rank)
+        if st.error is not None:
+            result = st.error
         else:
-            result = ok((rnd.results or {}).pop(rank, None))
-        self._maybe_drop(key, step, rnd)
+            result = ok((st.results or {}).pop(rank, None))
+        self._maybe_drop(key, step, st)
         return result
 
-    def _maybe_drop(self, key: str, step: int, rnd: Round) -> None:
-        if rnd.done.is_set() and len(rnd.collected) >= rnd.size:
-            self._rounds.pop((key, rnd.seq, step), None)
+    def _maybe_drop(self, key: str, step: int, st: Step) -> None:
+        if st.done.is_set() and len(st.collected) >= st.size:
+            self._steps.pop((key, st.seq, step), None)

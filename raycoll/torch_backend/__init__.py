@@ -14,16 +14,20 @@ Inside a raycoll rank (formed by :func:`raycoll.spawn`, :func:`raycoll.create_gr
     raycoll.spawn(train, world_size=4)
 
 No ``MASTER_ADDR``, no port: the ranks already met through raycoll's coordinator, so torch
-gets a store local to each rank (see :mod:`raycoll._torch_pg`) and the backend maps torch's
-default group onto the rank's default raycoll group, and ``torch.distributed.new_group`` onto
-raycoll subgroups.
+gets a store local to each rank (see :mod:`raycoll.torch_backend.rendezvous`) and the backend
+maps torch's default group onto the rank's default raycoll group, and
+``torch.distributed.new_group`` onto raycoll subgroups.
 
 Registration never imports torch on raycoll's account. ``import raycoll`` registers the
 backend at once when torch is already imported; otherwise it leaves a post-import hook on
 ``sys.meta_path`` that registers right after ``import torch`` finishes (torch itself imports
 ``torch.distributed``). A process that never imports torch pays nothing but that hook.
-:func:`register` does it by hand. The torch-facing classes live in :mod:`raycoll._torch_pg`,
-which imports torch and is only imported once torch is.
+:func:`register` does it by hand.
+
+The package: this module (no torch), :mod:`~raycoll.torch_backend.process_group` (the
+torch-facing classes) and :mod:`~raycoll.torch_backend.rendezvous` (torch's store and
+rendezvous), which import torch and are only imported once torch is, and
+:mod:`~raycoll.torch_backend.names` (the group names torch keeps; no torch).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ _registered = False
 #: raycoll's modules that import torch. Imported before torch, one's own ``import torch``
 #: runs the hook while it is half-defined: the hook registers once it is (see
 #: ``_TorchImportHook``), so none of them imports this module back.
-_TORCH_MODULES = ("raycoll._torch_pg", "raycoll._torch_rendezvous")
+_TORCH_MODULES = ("raycoll.torch_backend.process_group", "raycoll.torch_backend.rendezvous")
 
 
 def register() -> bool:
@@ -72,14 +76,14 @@ def _register(defined: Sequence[str] = ()) -> bool:
     if any(m is not None and not _fully_imported(m)
            for m in map(sys.modules.get, set(_TORCH_MODULES) - set(defined))):
         return False  # its own ``import torch`` ran the hook: it registers once defined
-    from raycoll import _torch_pg
+    from raycoll.torch_backend import process_group
 
-    _register_with(_torch_pg, dist)
+    _register_with(process_group, dist)
     return True
 
 
 def _register_with(torch_pg: Any, dist: Any) -> None:
-    """Register through ``raycoll._torch_pg`` (once per process)."""
+    """Register through ``raycoll.torch_backend.process_group`` (once per process)."""
     global _registered
     with _lock:
         if not _registered:

@@ -7,7 +7,7 @@
 - :class:`RaycollWork`, a ``torch.distributed.Work`` with a real ``torch.futures.Future``
   (DDP's comm hooks chain on it). raycoll's own errors (a dead rank, a timeout, a mismatch)
   reach ``wait()`` with their types, and the future's error with their messages.
-- the store and rendezvous torch insists on are in :mod:`raycoll._torch_rendezvous`.
+- the store and rendezvous torch insists on are in :mod:`raycoll.torch_backend.rendezvous`.
 
 Tensors raycoll cannot take as they are are staged (:class:`_Stage`): bfloat16 reduces in
 float32 (numpy has no bfloat16) and moves as its int16 bits otherwise; non-contiguous tensors
@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from raycoll import collectives as rc
 from raycoll import errors
-from raycoll._torch_names import GroupNames
-from raycoll._torch_rendezvous import _default_group, _install_rendezvous, _rank_and_size
+from raycoll.torch_backend.names import GroupNames
+from raycoll.torch_backend.rendezvous import (_default_group, _install_rendezvous,
+                                              _rank_and_size)
 from raycoll.process_group import ProcessGroup as RaycollGroup
 from raycoll.groups import destroy_process_group, new_group
 from raycoll.reduce_op import ReduceOp, as_reduce_op

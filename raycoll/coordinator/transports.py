@@ -1,0 +1,97 @@
+"""Round-transport bookkeeping: what the coordinator hears from groups whose collectives
+skip it.
+
+The collectives of a group with a round transport (:mod:`raycoll.transport`: the
+shared-memory lane on one node, direct connections across nodes) skip the coordinator: the
+ranks exchange their messages among themselves. The coordinator only hears from such a rank
+when its wait lasts (``transport_check``, a few times a second at most) or times out
+(``transport_timeout``), and now and then from its progress reports
+(``transport_progress``); each of those calls carries what the rank knows of its peers'
+progress, so timeouts and group_status still name every rank's last completed collective.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from raycoll.coordinator.liveness import PROBE_AFTER_S
+from raycoll.coordinator.logic import Result, err, fingerprint_mismatch, fmt_ranks, ok
+from raycoll.coordinator.state import CoordinatorState
+
+
+class TransportMixin(CoordinatorState):
+    """The round transports' RPCs: ``transport_check``, ``transport_timeout``,
+    ``transport_progress``."""
+
+    def transport_check(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int,
+                        fp: Dict[str, Any], progress: Dict[int, Tuple[str, int]],
+                        waiting: Sequence[int] = (), waited_s: float = 0.0) -> Result:
+        """A rank has waited ``waited_s`` in collective ``seq`` on its round transport for
+        group ranks ``waiting``: is anything wrong? (Past ``PROBE_AFTER_S`` those ranks are
+        probed, as for waits here; ``waited_s`` infinite: they are suspected dead, probed at
+        once.)
+
+        Returns the error that ends its wait, if any: the group is broken or a rank died, a
+        rank rejected its arguments for ``seq``, or ranks came to ``seq`` through the
+        coordinator (they called a different collective, one not for the transport): then
+        that step fails with the mismatch, for them too. Otherwise ``("ok", None)``.
+        """
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, rank, seq, fp.get("op", "?"), progress)
+        if waited_s >= PROBE_AFTER_S:
+            now = time.monotonic()
+            for r in waiting:
+                self._probe_if_due(ranks[r], now, force=waited_s == math.inf)
+        failed = self._unusable(key)
+        if failed is not None:
+            return failed
+        st = self._steps.get((key, seq, 0))
+        if st is None or st.error is None and (st.done.is_set() or not st.arrivals):
+            return ok()  # nothing there, or the lane's own set-up step
+        if not st.done.is_set():
+            fps = {r: a.fp for r, a in st.arrivals.items()}
+            fps[rank] = fp
+            why = fingerprint_mismatch(fps, ranks) or (
+                f"ranks {fmt_ranks(sorted(ranks[r] for r in st.arrivals))} came to it "
+                f"through the coordinator, rank {ranks[rank]} through the shared-memory lane")
+            st.error = err("mismatch", f"{st.op} #{seq} on group {key!r}: {why}")
+            self._finish(st)
+        return self._collect(key, 0, st, rank)
+
+    def transport_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
+                          missing: List[int], progress: Dict[int, Tuple[str, int]],
+                          timeout_s: float) -> Result:
+        """Collective ``seq`` on a round transport timed out on ``rank`` waiting for group
+        ranks ``missing``: the error naming them and their last completed collective; the
+        group is broken (as for a timeout through the coordinator)."""
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, rank, seq, op, progress)
+        if key in self._broken:
+            return self._broken[key]
+        error = self._timeout_error(key, op, seq, missing, timeout_s)
+        self._broken[key] = error
+        return error
+
+    def transport_progress(self, key: str, ranks: Tuple[int, ...],
+                           progress: Dict[int, Tuple[str, int]],
+                           transport: str = "lane") -> Result:
+        """What a rank knows of its collectives on round transport ``transport`` (``"lane"``
+        or ``"tcp"``): ``progress[r]`` is the last collective group rank ``r`` completed (for
+        group_status; sent now and then, and before group_status is asked from inside a
+        rank)."""
+        self._groups[key] = tuple(ranks)
+        self._note_progress(key, None, 0, "", progress)
+        self._transports[key] = transport
+        return ok()
+
+    def _note_progress(self, key: str, rank: Optional[int], seq: int, op: str,
+                       progress: Dict[int, Tuple[str, int]]) -> None:
+        self._transports.setdefault(key, "lane")
+        if rank is not None:
+            self._current[key][rank] = (op, seq)
+        last = self._last[key]
+        for r, done in progress.items():
+            if last.get(r) is None or last[r][1] < done[1]:
+                last[r] = (done[0], done[1])

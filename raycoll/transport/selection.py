@@ -1,0 +1,115 @@
+"""Which round transport a group uses, and setting it up.
+
+A group picks its round transport once, inside its first collective that can use one, the
+same on every rank from what they all know (the group option ``transport``, the ranks' nodes
+and addresses): the shared-memory lane (all ranks on this node; set up by one exchange of the
+ranks' channels as step 0 of that collective), direct connections (ranks on several nodes,
+more ranks on one node than the lane takes, or ``transport="tcp"``), or none (then collectives go through the coordinator and the object
+store). The group's direct connections also carry its point-to-point messages.
+
+:class:`GroupTransports` is what a group's :class:`~raycoll.context.GroupContext` is given
+(as its ``transports``) by the layer that forms the group, so that the context, below every
+transport, never imports one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+from raycoll.transport import lane
+from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
+from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
+                                   tcp_possible)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.context import Call, GroupContext
+
+__all__ = ["GroupTransports"]
+
+
+class GroupTransports:
+    """One group's round transports and direct connections on this rank (see
+    :class:`raycoll.context.Transports`). The direct connections (:class:`Links`) are made
+    with it, when the group may use them; the rest when first needed."""
+
+    def __init__(self, ctx: "GroupContext") -> None:
+        self.ctx = ctx
+        #: the group's direct connections, or ``None`` when it has none
+        self.links: Optional[Links] = None
+        self._mailbox: Optional[Mailbox] = None
+        if ctx.transport != "store" and ctx.size > 1:
+            if ctx.secret is not None and tcp_possible(ctx):
+                self.links = Links(key=ctx.group_name, rank=ctx.rank, size=ctx.size,
+                                   secret=ctx.secret, addresses=ctx.addresses,
+                                   nodes=ctx.node_ids)
+
+    def planned(self) -> str:
+        """The round transport this group will use (``"lane"``, ``"tcp"`` or ``"store"``),
+        decided alike on every rank from what they all know: the option ``transport``, the
+        ranks' nodes and addresses. (The lane may still turn out unavailable when it is set
+        up: then every rank goes to the store together.)"""
+        ctx = self.ctx
+        if ctx.transport in ("auto", "lane") and lane.lane_possible(ctx):
+            return "lane"
+        if self.links is not None and ctx.transport in ("tcp", "auto"):
+            return "tcp"  # across nodes, or too many ranks on one node for the lane
+        return "store"
+
+    def set_up(self, call: "Call") -> Any:
+        """Decide, inside ``call`` and identically on every rank, which round transport the
+        group uses, and set it up: a :class:`RoundTransport`, or ``False`` for none."""
+        planned = self.planned()
+        if planned == "lane":
+            return self._set_up_lane(call)
+        if planned == "tcp" and self.links is not None:  # "tcp" is planned only with links
+            return TcpTransport(self.ctx, self.links)
+        return False
+
+    def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
+        ctx = self.ctx
+        mine = lane.open_channel(ctx)
+        epoch = uuid.uuid4().hex
+        try:
+            got = ctx.setup_exchange(call, [(mine, epoch)] * ctx.size)
+        except BaseException:
+            lane.release_channel(ctx, mine)
+            raise
+        if any(c is None for c, _ in got) or mine is None:
+            lane.release_channel(ctx, mine)
+            ctx.skip_setup_step(call)
+            return False
+        peers = {j: c for j, (c, _) in enumerate(got) if j != ctx.rank}
+        return lane.LaneTransport(ctx, mine, peers, epoch=got[0][1])
+
+    def mailbox(self) -> Optional[Mailbox]:
+        """The group's point-to-point mailbox on its direct connections, or ``None`` when it
+        has none (then point-to-point goes through the coordinator)."""
+        if self.links is None:
+            return None
+        if self._mailbox is None:
+            ctx = self.ctx
+            self._mailbox = Mailbox(self.links, group=ctx.group_name,
+                                    global_ranks=ctx.global_ranks, check=ctx.p2p_check,
+                                    explain=self._p2p_explain,
+                                    spin_s=0.0 if lane.oversubscribed(ctx.size) else P2P_SPIN_S)
+        return self._mailbox
+
+    def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:
+        """The coordinator's error once it has one, or ``None`` after a short grace; group
+        ranks ``suspects`` are probed at once (a dead actor's probe fails within
+        milliseconds)."""
+        return await_explanation(
+            lambda: self.ctx.p2p_check(suspects, PROBE_NOW if suspects else 0.0),
+            CLOSED_GRACE_S)
+
+    def sockets(self, purpose: str) -> int:
+        """How many direct connections this rank holds for ``purpose`` (both directions)."""
+        return self.links.sockets(purpose) if self.links is not None else 0
+
+    def close(self) -> None:
+        """Release the mailbox and the direct connections."""
+        if self._mailbox is not None:
+            self._mailbox.close()
+        if self.links is not None:
+            self.links.close()
