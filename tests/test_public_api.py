@@ -101,7 +101,8 @@ def test_modules_have_docstrings_and_the_package_is_typed():
     assert (root / "py.typed").exists()
     undocumented = []
     # Read each module's docstring from its source rather than importing it: some modules
-    # (raycoll._torch_pg) import an optional extra, and the [test] extra does not install it.
+    # (raycoll.torch_backend.process_group) import an optional extra, and the [test] extra
+    # does not install it.
     for info in pkgutil.walk_packages([str(root)], prefix="raycoll."):
         spec = importlib.util.find_spec(info.name)
         source = Path(spec.origin).read_text()

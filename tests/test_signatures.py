@@ -25,7 +25,8 @@ EXCEPTIONS: Dict[str, str] = {
     "Work.wait": "timeout defaults to None (torch: timedelta(0)); both mean 'no bound of its "
                  "own', and timedelta(0) is accepted",
     "Work.__init__": "raycoll makes its Work objects (torch's can be subclassed by Python "
-                     "backends: raycoll's torch backend does that, in raycoll._torch_pg)",
+                     "backends: raycoll's torch backend does that, in "
+                     "raycoll.torch_backend.process_group)",
     "ProcessGroup.__init__": "raycoll makes its groups (init_process_group, new_group); torch's "
                              "overloaded pybind constructor has no single signature",
     "ReduceOp.__init__": "torch's pybind constructor names its one argument arg0; raycoll's "
