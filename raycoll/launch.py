@@ -23,7 +23,7 @@ from ray.actor import ActorHandle
 from raycoll import errors
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
-from raycoll.transport.lane import lane_report_s
+from raycoll.transport.base import report_period_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.world import join_root_group, world
@@ -36,6 +36,8 @@ __all__ = ["create_group", "destroy_group", "spawn", "run_on", "group_status"]
 
 #: How long driver-side teardown waits for busy or dead actors.
 _TEARDOWN_S = 10.0
+#: The longest group_status waits for late progress reports of a round transport.
+_STATUS_WAIT_MAX_S = 5.0
 
 
 @dataclass
@@ -202,9 +204,13 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         pg.report_progress()
     client = _status_client(root)
     raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
-    if any(isinstance(g, dict) and g.get("lane") for g in raw.get("groups", {}).values()):
-        # ranks report their lane collectives at most REPORT_EVERY_S late: ask again after
-        time.sleep(lane_report_s() + 0.05)
+    periods = [g.get("report_period_s") or report_period_s() for g in raw.get("groups",
+                                                                              {}).values()
+               if isinstance(g, dict) and g.get("transport")]
+    if periods:
+        # ranks report their round transport's collectives at most a period late (a node's
+        # ranks share one period's worth of reports): ask again after the longest
+        time.sleep(min(max(periods), _STATUS_WAIT_MAX_S) + 0.05)
         raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
     groups = raw.get("groups", {})
     view = _group_view(group_name, groups.get(group_name, {}),

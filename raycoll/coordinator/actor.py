@@ -135,6 +135,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             if key in self._transports:
                 out[key]["transport"] = self._transports[key]
                 out[key]["lane"] = self._transports[key] == "lane"
+                out[key]["report_period_s"] = self._report_period.get(key, 0.0)
             self._join_status(key, out[key])
         return ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})

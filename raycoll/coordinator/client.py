@@ -167,30 +167,33 @@ class CoordinatorClient:
     # ------------------------------------------------------------------ round transports
     def transport_check(self, key: str, ranks: Sequence[int], seq: int, rank: int,
                         fp: Dict[str, Any], progress: Progress, waiting: Sequence[int],
-                        waited_s: float, *, where: Where = None,
+                        waited_s: float, transport: str = "lane", *, where: Where = None,
                         timeout_s: float = CHECK_TIMEOUT_S) -> None:
-        """A wait on the round transport for group ranks ``waiting`` has lasted
+        """A wait on round transport ``transport`` for group ranks ``waiting`` has lasted
         ``waited_s``: raises the error that ends it, if the coordinator has one (see
         ``Coordinator.transport_check``)."""
         ref: "ray.ObjectRef" = self.handle.transport_check.remote(
-            key, ranks, seq, rank, fp, progress, list(waiting), waited_s)
+            key, ranks, seq, rank, fp, progress, list(waiting), waited_s, transport)
         self._wait(ref, timeout_s, where)
 
     def transport_timeout(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
-                          missing: Sequence[int], progress: Progress, timeout_s: float, *,
-                          where: Where = None, wait_s: float = CHECK_TIMEOUT_S) -> None:
-        """Collective ``seq`` timed out (after ``timeout_s``) on the round transport waiting
-        for group ranks ``missing``: raises the error naming them (the coordinator breaks the
-        group); waits ``wait_s`` for it."""
+                          missing: Sequence[int], progress: Progress, timeout_s: float,
+                          transport: str = "lane", *, where: Where = None,
+                          wait_s: float = CHECK_TIMEOUT_S) -> None:
+        """Collective ``seq`` timed out (after ``timeout_s``) on round transport
+        ``transport`` waiting for group ranks ``missing``: raises the error naming them (the
+        coordinator breaks the group); waits ``wait_s`` for it."""
         ref: "ray.ObjectRef" = self.handle.transport_timeout.remote(
-            key, ranks, seq, rank, op, list(missing), progress, timeout_s)
+            key, ranks, seq, rank, op, list(missing), progress, timeout_s, transport)
         self._wait(ref, wait_s, where)
 
     def submit_transport_progress(self, key: str, ranks: Sequence[int], progress: Progress,
-                                  transport: str = "lane") -> "ray.ObjectRef":
+                                  transport: str = "lane",
+                                  period_s: float = 0.0) -> "ray.ObjectRef":
         """Tell the coordinator each group rank's last completed collective on round
-        transport ``transport`` (for group_status); does not wait."""
-        return self.handle.transport_progress.remote(key, ranks, progress, transport)
+        transport ``transport`` (for group_status), and how often this rank reports
+        (``period_s``); does not wait."""
+        return self.handle.transport_progress.remote(key, ranks, progress, transport, period_s)
 
     # ------------------------------------------------------------------ join
     def submit_join_round(self, key: str, ranks: Sequence[int], seq: int, rank: int,

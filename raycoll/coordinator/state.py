@@ -99,6 +99,8 @@ class CoordinatorState:
         self._join_done: Dict[str, Dict[str, Any]] = {}
         # groups whose ranks reported progress on a round transport, and its name
         self._transports: Dict[str, str] = {}
+        # ... and the longest period between two progress reports of one of its ranks
+        self._report_period: Dict[str, float] = {}
         # liveness (see raycoll.coordinator.liveness)
         self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
         self._death_report: Optional[asyncio.TimerHandle] = None

@@ -21,13 +21,18 @@ from raycoll.coordinator.logic import Result, err, fingerprint_mismatch, fmt_ran
 from raycoll.coordinator.state import CoordinatorState
 
 
+#: How a mismatch names a round transport.
+_TRANSPORT_NAMES = {"lane": "the shared-memory lane", "tcp": "direct connections"}
+
+
 class TransportMixin(CoordinatorState):
     """The round transports' RPCs: ``transport_check``, ``transport_timeout``,
     ``transport_progress``."""
 
     def transport_check(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int,
                         fp: Dict[str, Any], progress: Dict[int, Tuple[str, int]],
-                        waiting: Sequence[int] = (), waited_s: float = 0.0) -> Result:
+                        waiting: Sequence[int] = (), waited_s: float = 0.0,
+                        transport: str = "lane") -> Result:
         """A rank has waited ``waited_s`` in collective ``seq`` on its round transport for
         group ranks ``waiting``: is anything wrong? (Past ``PROBE_AFTER_S`` those ranks are
         probed, as for waits here; ``waited_s`` infinite: they are suspected dead, probed at
@@ -39,7 +44,7 @@ class TransportMixin(CoordinatorState):
         that step fails with the mismatch, for them too. Otherwise ``("ok", None)``.
         """
         self._groups[key] = tuple(ranks)
-        self._note_progress(key, rank, seq, fp.get("op", "?"), progress)
+        self._note_progress(key, rank, seq, fp.get("op", "?"), progress, transport)
         if waited_s >= PROBE_AFTER_S:
             now = time.monotonic()
             for r in waiting:
@@ -55,19 +60,20 @@ class TransportMixin(CoordinatorState):
             fps[rank] = fp
             why = fingerprint_mismatch(fps, ranks) or (
                 f"ranks {fmt_ranks(sorted(ranks[r] for r in st.arrivals))} came to it "
-                f"through the coordinator, rank {ranks[rank]} through the shared-memory lane")
+                f"through the coordinator, rank {ranks[rank]} through "
+                f"{_TRANSPORT_NAMES.get(transport, transport)}")
             st.error = err("mismatch", f"{st.op} #{seq} on group {key!r}: {why}")
             self._finish(st)
         return self._collect(key, 0, st, rank)
 
     def transport_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
                           missing: List[int], progress: Dict[int, Tuple[str, int]],
-                          timeout_s: float) -> Result:
+                          timeout_s: float, transport: str = "lane") -> Result:
         """Collective ``seq`` on a round transport timed out on ``rank`` waiting for group
         ranks ``missing``: the error naming them and their last completed collective; the
         group is broken (as for a timeout through the coordinator)."""
         self._groups[key] = tuple(ranks)
-        self._note_progress(key, rank, seq, op, progress)
+        self._note_progress(key, rank, seq, op, progress, transport)
         if key in self._broken:
             return self._broken[key]
         error = self._timeout_error(key, op, seq, missing, timeout_s)
@@ -76,19 +82,20 @@ class TransportMixin(CoordinatorState):
 
     def transport_progress(self, key: str, ranks: Tuple[int, ...],
                            progress: Dict[int, Tuple[str, int]],
-                           transport: str = "lane") -> Result:
+                           transport: str = "lane", period_s: float = 0.0) -> Result:
         """What a rank knows of its collectives on round transport ``transport`` (``"lane"``
         or ``"tcp"``): ``progress[r]`` is the last collective group rank ``r`` completed (for
-        group_status; sent now and then, and before group_status is asked from inside a
-        rank)."""
+        group_status; sent every ``period_s`` at most, and before group_status is asked from
+        inside a rank). The ranks of a node share one period's worth of reports, so the
+        coordinator takes O(1) of these a second per group and node, however many ranks."""
         self._groups[key] = tuple(ranks)
-        self._note_progress(key, None, 0, "", progress)
-        self._transports[key] = transport
+        self._note_progress(key, None, 0, "", progress, transport)
+        self._report_period[key] = max(self._report_period.get(key, 0.0), float(period_s))
         return ok()
 
     def _note_progress(self, key: str, rank: Optional[int], seq: int, op: str,
-                       progress: Dict[int, Tuple[str, int]]) -> None:
-        self._transports.setdefault(key, "lane")
+                       progress: Dict[int, Tuple[str, int]], transport: str) -> None:
+        self._transports[key] = transport
         if rank is not None:
             self._current[key][rank] = (op, seq)
         last = self._last[key]

@@ -392,16 +392,25 @@ class RoundTransport:
             f"({type(exc).__name__}: {exc}); the group is broken", **self.ctx.ctx(call))
 
     # ------------------------------------------------------------------ progress reports
+    @property
+    def report_every_s(self) -> float:
+        """How often this rank reports: ``REPORT_EVERY_S`` times the group's ranks on its
+        node, so that a node's ranks together send the coordinator about one report per
+        ``REPORT_EVERY_S`` (O(1) calls a second per group and node, however many ranks)."""
+        nodes = self.ctx.node_ids
+        return REPORT_EVERY_S * sum(1 for n in nodes if n == nodes[self.ctx.rank])
+
     def report(self, force: bool = False) -> None:
         """Tell the coordinator every rank's progress (for group_status), in one
         fire-and-forget call: now when ``force``d or when the last report is older than
-        ``REPORT_EVERY_S``; else once that much time has passed since it (so the coordinator
-        is at most ``REPORT_EVERY_S`` behind, at one call per period however busy)."""
+        :attr:`report_every_s`; else once that much time has passed since it (so the
+        coordinator is at most that far behind, at one call per period however busy)."""
         with self._report_lock:
             if self._closed:
                 return
             now = time.monotonic()
-            due = self._reported_at + REPORT_EVERY_S
+            period = self.report_every_s
+            due = self._reported_at + period
             if not force and now < due:
                 if self._report_timer is None:
                     self._report_timer = threading.Timer(due - now, self._trailing_report)
@@ -412,7 +421,8 @@ class RoundTransport:
             progress = self._progress()
         try:
             self.ctx.client.submit_transport_progress(self.ctx.group_name,
-                                                      self.ctx.global_ranks, progress, self.kind)
+                                                      self.ctx.global_ranks, progress, self.kind,
+                                                      period)
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 
@@ -439,14 +449,14 @@ class RoundTransport:
         ``waited_s``) should end; raises its error if so."""
         self.ctx.client.transport_check(
             self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.fp,
-            self._progress(), waiting, waited_s, where=self.ctx.ctx(call))
+            self._progress(), waiting, waited_s, self.kind, where=self.ctx.ctx(call))
 
     def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
         """The error for ``call`` timing out waiting for group ranks ``missing``."""
         try:
             self.ctx.client.transport_timeout(
                 self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.op,
-                missing, self._progress(), call.timeout_s, where=self.ctx.ctx(call))
+                missing, self._progress(), call.timeout_s, self.kind, where=self.ctx.ctx(call))
         except errors.RaycollError as exc:
             return exc
         who = [self.ctx.global_ranks[s] for s in missing]

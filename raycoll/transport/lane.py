@@ -82,7 +82,7 @@ import numpy as np
 import ray
 
 from raycoll.options import GroupOptions, or_default
-from raycoll.transport.base import RoundTransport, report_period_s
+from raycoll.transport.base import RoundTransport
 from raycoll.transport.frames import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,7 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["LaneTransport", "open_channel", "release_channel", "lane_possible", "lane_report_s",
+__all__ = ["LaneTransport", "open_channel", "release_channel", "lane_possible",
            "oversubscribed"]
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
@@ -126,11 +126,6 @@ LANE_BYTES = 4 << 20
 def lane_bytes(options: GroupOptions) -> int:
     """The group's ``lane_bytes`` option: the most a rank sends in one round."""
     return or_default(options.lane_bytes, LANE_BYTES)
-
-
-def lane_report_s() -> float:
-    """How far behind a rank's lane collectives the coordinator (group_status) may be."""
-    return report_period_s()
 
 
 def node_cores() -> int:
