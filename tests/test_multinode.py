@@ -131,3 +131,43 @@ def test_spawn_environment_counts_local_ranks_per_node(two_nodes):
     assert results[0]["node"] == results[2]["node"] != results[1]["node"] == results[3]["node"]
     assert [(r["RANK"], r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"]) for r in results] == \
         [("0", "0", "2"), ("1", "0", "2"), ("2", "1", "2"), ("3", "1", "2")]
+
+
+def _hierarchical(rank, n):
+    from raycoll.world import world as the_world
+
+    x = np.arange(n, dtype=np.float32) * (rank + 1)
+    raycoll.all_reduce(x)
+    group = the_world().default
+    return {"ok": bool(np.allclose(x, np.arange(n) * 10.0)),
+            "node": ray.get_runtime_context().get_node_id(),
+            "algorithm": group.last_route.algorithm,
+            "counters": group.counters()["collectives"]["all_reduce"]}
+
+
+@pytest.mark.timeout(300)
+def test_hierarchical_all_reduce_sends_2_m_minus_1_over_m_n_a_node_between_real_nodes(two_nodes):
+    """Four ranks, two on each of two Ray nodes: the node-aware all_reduce sends
+    2 (M - 1) / M * n bytes out of each node (n here: M = 2), half what each node sends in a
+    flat ring over the same ranks, counted exactly on the ranks' direct connections."""
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{r // 2}": 1}).remote() for r in range(4)]
+    n = 4 * 1024
+    try:
+        got = {algo: run_on(actors, _hierarchical, (n,), group_name=f"hier-{algo}", timeout=120,
+                            options={"all_reduce_algo": algo})
+               for algo in ("hierarchical", "ring")}
+    finally:
+        for a in actors:
+            ray.kill(a)
+    nbytes = n * 4
+    for algo, results in got.items():
+        assert all(r["ok"] and r["algorithm"] == algo for r in results), results
+        nodes = {r["node"] for r in results}
+        assert len(nodes) == 2
+        out = {node: sum(r["counters"]["bytes_sent_other_node"] for r in results
+                         if r["node"] == node) for node in nodes}
+        if algo == "hierarchical":
+            assert set(out.values()) == {2 * (2 - 1) * nbytes // 2}, out
+        else:  # a ring over 0-1-2-3: one rank a node sends every step to the other node
+            assert set(out.values()) == {2 * 3 * nbytes // 4}, out
