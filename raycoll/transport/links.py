@@ -173,9 +173,20 @@ def listener() -> Optional[_Listener]:
         return _LISTENER
 
 
+#: The send buffer of a Unix socket: the default (about 200 KiB) wakes the reader for every
+#: few tens of KiB of a large message (a syscall and a wake-up each); the kernel caps it at
+#: ``net.core.wmem_max``. TCP's buffers tune themselves.
+UNIX_SNDBUF = 4 << 20
+
+
 def _tune(sock: socket.socket) -> None:
     if sock.family != getattr(socket, "AF_UNIX", None):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
+    except OSError:  # a kernel that refuses keeps its default
+        pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
