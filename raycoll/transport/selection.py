@@ -4,8 +4,8 @@ A group picks its round transport once, inside its first collective that can use
 same on every rank from what they all know (the group option ``transport``, the ranks' nodes
 and addresses): the shared-memory lane (all ranks on this node; set up by one exchange of the
 ranks' channels as step 0 of that collective), direct connections (ranks on several nodes,
-more ranks on one node than the lane takes, or ``transport="tcp"``), or none (then collectives go through the coordinator and the object
-store). The group's direct connections also carry its point-to-point messages.
+more ranks on one node than the lane takes, or ``transport="tcp"``), or none (then
+collectives go through the coordinator and the object store). The group's direct connections also carry its point-to-point messages.
 
 :class:`GroupTransports` is what a group's :class:`~raycoll.context.GroupContext` is given
 (as its ``transports``) by the layer that forms the group, so that the context, below every
@@ -38,6 +38,7 @@ class GroupTransports:
         #: the group's direct connections, or ``None`` when it has none
         self.links: Optional[Links] = None
         self._mailbox: Optional[Mailbox] = None
+        self._planned: Optional[str] = None
         if ctx.transport != "store" and ctx.size > 1:
             if ctx.secret is not None and tcp_possible(ctx):
                 self.links = Links(key=ctx.group_name, rank=ctx.rank, size=ctx.size,
@@ -49,12 +50,15 @@ class GroupTransports:
         decided alike on every rank from what they all know: the option ``transport``, the
         ranks' nodes and addresses. (The lane may still turn out unavailable when it is set
         up: then every rank goes to the store together.)"""
-        ctx = self.ctx
-        if ctx.transport in ("auto", "lane") and lane.lane_possible(ctx):
-            return "lane"
-        if self.links is not None and ctx.transport in ("tcp", "auto"):
-            return "tcp"  # across nodes, or too many ranks on one node for the lane
-        return "store"
+        if self._planned is None:  # what decides it does not change: once per group
+            ctx = self.ctx
+            if ctx.transport in ("auto", "lane") and lane.lane_possible(ctx):
+                self._planned = "lane"
+            elif self.links is not None and ctx.transport in ("tcp", "auto"):
+                self._planned = "tcp"  # across nodes, or too many ranks on one node for the lane
+            else:
+                self._planned = "store"
+        return self._planned
 
     def set_up(self, call: "Call") -> Any:
         """Decide, inside ``call`` and identically on every rank, which round transport the
