@@ -75,6 +75,7 @@ class CoordinatorState:
         self._owned_by_ranks = owned_by_ranks
         # membership (rendezvous)
         self._members: Dict[int, Dict[str, Any]] = {}
+        self._roster: List[Dict[str, Any]] = []  # rendezvous' answer, once formed
         self._formed = asyncio.Event()
         self._generation = 0
         self._secret = b""
