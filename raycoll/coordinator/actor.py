@@ -96,6 +96,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             self._current.clear()
             self._joins.clear()
             self._join_done.clear()
+            self._join_answers.clear()
             self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
             self._kv_events.clear()
             self._reset.set()

@@ -98,6 +98,9 @@ class CoordinatorState:
         # progress; and how the last finished one ended
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
+        # the last join round's answer per group, shared by its ranks: (every rank's join
+        # seq, the answer, the last join seq)
+        self._join_answers: Dict[str, Tuple[List[Any], Dict[str, Any], Optional[int]]] = {}
         # groups whose ranks reported progress on a round transport, and its name
         self._transports: Dict[str, str] = {}
         # ... and the longest period between two progress reports of one of its ranks
