@@ -55,6 +55,8 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
                         "with the same rank, or this process was not made part of the group")
         self._members[rank] = info
         if len(self._members) == self._world_size:
+            # every rank's answer: built once, not once per rank (O(W), not O(W^2))
+            self._roster = [dict(self._members[r], rank=r) for r in range(self._world_size)]
             self._secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
             self._formed.set()
             self._reset = asyncio.Event()
@@ -67,7 +69,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             return err("timeout", f"rendezvous of group {self._group_name!r} timed out after "
                         f"{timeout_s:g}s: ranks {fmt_ranks(missing)} never joined", missing=missing)
         return ok({
-            "members": [dict(self._members[r], rank=r) for r in range(self._world_size)],
+            "members": self._roster,
             "generation": self._generation,
             "secret": self._secret,
         })
@@ -80,10 +82,12 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
         """
         self._left.add(rank)
         self._liveness_left(rank)
-        all_left = self._left >= set(range(self._world_size))
+        all_left = (len(self._left) >= self._world_size  # O(1) until the last one leaves
+                    and self._left >= set(range(self._world_size)))
         if all_left:
             self._liveness_reset(self._generation)
             self._members.clear()
+            self._roster = []
             self._formed = asyncio.Event()
             self._generation += 1
             self._steps.clear()
@@ -92,6 +96,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             self._current.clear()
             self._joins.clear()
             self._join_done.clear()
+            self._join_answers.clear()
             self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
             self._kv_events.clear()
             self._reset.set()

@@ -37,21 +37,25 @@ class JoinMixin(CoordinatorState):
             joined.pop(rank, None)
         else:
             joined[rank] = join_seq
-        size = len(ranks)
         fp = {"op": "join", "throw_on_early_termination": bool(throw_on_early_termination)}
-        result = await self.exchange(key, ranks, seq, 0, rank, fp, None, None, [join_seq] * size,
-                                     "route", None, timeout_s)
+        result = await self.exchange(key, ranks, seq, 0, rank, fp, None, None, join_seq,
+                                     "gather", None, timeout_s)
         if result[0] != "ok":
             if result[1] == "mismatch":  # the ranks are out of step: nothing can go on
                 message = f"{result[2]} {JOIN_OUT_OF_STEP}"
                 self.abort(key, "mismatch", message)
                 return self._broken.get(key, err("mismatch", message))
             return result
-        outcome, order, ended = join_outcome(ranks, result[1], join_seq,
-                                             throw_on_early_termination)
-        if ended:
-            self._end_join(key, ranks, seq, order, terminated=not outcome["all_joined"])
-        return ok(outcome)
+        seqs = result[1]  # one list, the same for every rank of this round: answer it once
+        shared = self._join_answers.get(key)
+        if shared is None or shared[0] is not seqs:
+            outcome, order, ended = join_outcome(ranks, seqs, None, throw_on_early_termination)
+            if ended:
+                self._end_join(key, ranks, seq, order, terminated=not outcome["all_joined"])
+            shared = self._join_answers[key] = (seqs, outcome, order[-1][0] if order else None)
+        _seqs, outcome, last_seq = shared
+        return ok(dict(outcome, is_last_joiner=outcome["all_joined"] and join_seq is not None
+                       and join_seq == last_seq))
 
     def join_report(self, key: str, ranks: Tuple[int, ...], rank: int, join_seq: int) -> Result:
         """Group rank ``rank`` joined in round ``join_seq`` of a Join whose rounds run on the

@@ -154,6 +154,9 @@ def route(payloads: Sequence[Optional[Sequence[Any]]]) -> Dict[int, List[Any]]:
     """Each group rank's share of a routed step: ``payloads[s][r]`` is what ``s`` sends
     ``r`` (``payloads[s]`` ``None``: ``s`` sends nothing); rank ``r`` gets the list by source."""
     size = len(payloads)
+    if all(p is None for p in payloads):  # a barrier: every rank gets the same Nones, once
+        nothing: List[Any] = [None] * size
+        return dict.fromkeys(range(size), nothing)
     return {r: [(p[r] if p is not None else None) for p in payloads] for r in range(size)}
 
 

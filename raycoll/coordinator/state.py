@@ -75,6 +75,7 @@ class CoordinatorState:
         self._owned_by_ranks = owned_by_ranks
         # membership (rendezvous)
         self._members: Dict[int, Dict[str, Any]] = {}
+        self._roster: List[Dict[str, Any]] = []  # rendezvous' answer, once formed
         self._formed = asyncio.Event()
         self._generation = 0
         self._secret = b""
@@ -97,6 +98,9 @@ class CoordinatorState:
         # progress; and how the last finished one ended
         self._joins: Dict[str, Dict[int, int]] = defaultdict(dict)
         self._join_done: Dict[str, Dict[str, Any]] = {}
+        # the last join round's answer per group, shared by its ranks: (every rank's join
+        # seq, the answer, the last join seq)
+        self._join_answers: Dict[str, Tuple[List[Any], Dict[str, Any], Optional[int]]] = {}
         # groups whose ranks reported progress on a round transport, and its name
         self._transports: Dict[str, str] = {}
         # ... and the longest period between two progress reports of one of its ranks

@@ -43,7 +43,8 @@ class StepsMixin(CoordinatorState):
         ``mode="route"``: ``payload`` is a per-destination list; each rank gets the list of what
         every source sent it. ``mode="reduce"``: ``payload`` is an array; the coordinator reduces
         all of them with ``fp["reduce_op"]`` and returns the result to every rank (or only to
-        ``root``, a group rank).
+        ``root``, a group rank). ``mode="gather"``: ``payload`` is one value; every rank gets
+        the same list of them, by group rank (the coordinator's own Join rounds).
         """
         failed = self._unusable(key)
         if failed is not None:
@@ -146,6 +147,9 @@ class StepsMixin(CoordinatorState):
                 st.error = err("value", f"{st.op} #{st.seq} on group {key!r}: {exc}")
             else:
                 st.results = {r: out if root is None or r == root else None for r in range(st.size)}
+        elif mode == "gather":
+            st.results = dict.fromkeys(range(st.size),
+                                       [arrivals[s].payload for s in range(st.size)])
         else:
             st.results = route([arrivals[s].payload for s in range(st.size)])
         for arrival in arrivals.values():
