@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import raycoll
+from raycoll.coordinator import logic
 from raycoll.coordinator.actor import Coordinator
 from raycoll.reduce_op import ReduceOp
 
@@ -101,7 +102,8 @@ async def _scenario(size: int) -> Dict[str, int]:
     assert all(a[1]["all_joined"] and a[1]["is_last_joiner"] == (r % 4 != 0)
                for r, a in enumerate(last))
 
-    progress = {r: ("all_reduce", 5) for r in every}  # what a rank sends: its view of each rank
+    # what a rank on a round transport sends: every rank completed all_reduce #5 (one entry)
+    progress = {logic.EVERY_RANK: ("all_reduce", 5)}
 
     async def reports() -> List[Any]:
         return [c.transport_progress("g", ranks, dict(progress), "lane", 0.8) for _r in every]
@@ -112,6 +114,7 @@ async def _scenario(size: int) -> Dict[str, int]:
 
     assert await counted("transport_progress", reports()) == [("ok", None)] * size
     assert await counted("transport_check", checks()) == [("ok", None)] * size
+    assert all(c._completed("g", r) == ("all_reduce", 5) for r in (0, size - 1))
 
     async def status() -> Any:
         return c.status()
@@ -143,15 +146,9 @@ def _work(size: int) -> Dict[str, int]:
     return asyncio.run(asyncio.wait_for(_scenario(size), 30))
 
 
-_QUADRATIC = pytest.mark.xfail(strict=True, reason=(
-    "each rank's report names every rank of the group (O(W) per report, O(W^2) from every "
-    "rank): a protocol change on the ranks' side (raycoll.transport.base), not here"))
-
-
 @pytest.mark.parametrize("operation", [
     "rendezvous", "barrier", "all_reduce", "join_round",
-    pytest.param("transport_progress", marks=_QUADRATIC),
-    pytest.param("transport_check", marks=_QUADRATIC), "status", "rank_failure"])
+    "transport_progress", "transport_check", "status", "rank_failure"])
 def test_the_work_of_an_operation_grows_linearly_with_the_ranks(operation: str) -> None:
     small, large = _work(SMALL)[operation], _work(LARGE)[operation]
     assert large <= LINEAR * small, (

@@ -93,6 +93,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             self._steps.clear()
             self._broken.clear()
             self._last.clear()
+            self._floor.clear()
             self._current.clear()
             self._joins.clear()
             self._join_done.clear()
@@ -130,7 +131,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
         for key, ranks in self._groups.items():
             out[key] = {
                 ranks[r]: {
-                    "last_completed": self._last[key].get(r),
+                    "last_completed": self._completed(key, r),
                     "current": self._current[key].get(r),
                 }
                 for r in range(len(ranks))

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from raycoll import errors
 
-__all__ = ["JOIN_OUT_OF_STEP", "Result", "ok", "err", "unwrap", "coordinator_name",
+__all__ = ["EVERY_RANK", "JOIN_OUT_OF_STEP", "Result", "ok", "err", "unwrap", "coordinator_name",
            "fmt_ranks", "fmt_meta", "fingerprint_mismatch", "meta_mismatch", "p2p_mismatch",
            "route", "timeout_error", "subgroup_keys", "join_outcome", "join_summary",
            "death_cause", "first_line"]
@@ -29,6 +29,11 @@ JOIN_OUT_OF_STEP = ("(the ranks of a Join are out of step: does every rank use t
                     "shadow exactly one iteration's collectives?)")
 
 Result = Tuple[Any, ...]
+
+#: In a progress report (group rank -> last completed collective), the key that stands for
+#: every rank of the group: a rank on a round transport knows that every rank completed the
+#: collective it completed, and says so in one entry instead of W.
+EVERY_RANK = -1
 
 
 def coordinator_name(job_id: str, group_name: str) -> str:

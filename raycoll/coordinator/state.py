@@ -90,6 +90,8 @@ class CoordinatorState:
         self._groups: Dict[str, Tuple[int, ...]] = {}
         self._broken: Dict[str, Result] = {}
         self._last: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
+        # ... and what every rank of a group completed at least (reports of EVERY_RANK)
+        self._floor: Dict[str, Tuple[str, int]] = {}
         self._current: Dict[str, Dict[int, Tuple[str, int]]] = defaultdict(dict)
         # point to point: (group, destination group rank) -> posted sends, posted receives
         self._mail: Dict[Tuple[str, int], Deque[Message]] = defaultdict(deque)

@@ -181,7 +181,16 @@ class StepsMixin(CoordinatorState):
 
     def _last_of(self, key: str, global_ranks: Sequence[int]) -> Dict[int, Optional[Tuple[str, int]]]:
         ranks = self._groups.get(key, ())
-        return {g: self._last[key].get(ranks.index(g)) if g in ranks else None for g in global_ranks}
+        return {g: self._completed(key, ranks.index(g)) if g in ranks else None
+                for g in global_ranks}
+
+    def _completed(self, key: str, r: int) -> Optional[Tuple[str, int]]:
+        """The last collective group rank ``r`` of group ``key`` completed, as far as the
+        coordinator knows (its own steps, and the round transports' reports)."""
+        last, floor = self._last[key].get(r), self._floor.get(key)
+        if last is None or (floor is not None and floor[1] > last[1]):
+            return floor
+        return last
 
     def _collect(self, key: str, step: int, st: Step, rank: int) -> Result:
         st.collected.add(rank)

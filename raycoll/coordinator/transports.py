@@ -17,7 +17,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from raycoll.coordinator.liveness import PROBE_AFTER_S
-from raycoll.coordinator.logic import Result, err, fingerprint_mismatch, fmt_ranks, ok
+from raycoll.coordinator.logic import (EVERY_RANK, Result, err, fingerprint_mismatch,
+                                      fmt_ranks, ok)
 from raycoll.coordinator.state import CoordinatorState
 
 
@@ -98,6 +99,11 @@ class TransportMixin(CoordinatorState):
         self._transports[key] = transport
         if rank is not None:
             self._current[key][rank] = (op, seq)
+        floor = progress.get(EVERY_RANK)
+        if floor is not None:  # every rank completed this: one entry, not W
+            if key not in self._floor or self._floor[key][1] < floor[1]:
+                self._floor[key] = (floor[0], floor[1])
+            return
         last = self._last[key]
         for r, done in progress.items():
             if last.get(r) is None or last[r][1] < done[1]:

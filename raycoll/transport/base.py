@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import numpy as np
 
 from raycoll import errors
-from raycoll.coordinator.logic import fingerprint_mismatch
+from raycoll.coordinator.logic import EVERY_RANK, fingerprint_mismatch
 from raycoll.transport.counters import Counters, payload_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -437,11 +437,14 @@ class RoundTransport:
         waiting = self._waiting
         if waiting is None or waiting[0] != seq:
             return None
-        return list(waiting[1]), self._progress()
+        done = {r: self._done for r in range(self.ctx.size)} if self._done else {}
+        return list(waiting[1]), done
 
     def _progress(self) -> Dict[int, Tuple[str, int]]:
-        """By group rank, the last collective each rank completed as far as this rank knows."""
-        return {r: self._done for r in range(self.ctx.size)} if self._done else {}
+        """What this rank tells the coordinator of the group's progress: every rank completed
+        the last collective this rank completed (it had every rank's part), in one entry
+        (``EVERY_RANK``), so that a report costs O(1), not O(W)."""
+        return {EVERY_RANK: self._done} if self._done else {}
 
     # ------------------------------------------------------------------ the coordinator
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
