@@ -213,3 +213,16 @@ def test_pipelined_segments_move_the_same_bytes_in_smaller_messages(collective, 
         assert a["bytes_sent_other_node"] == b["bytes_sent_other_node"]
     with pytest.raises(ValueError, match="only all_reduce, broadcast, reduce are pipelined"):
         build("reduce_scatter", "ring", topo, n, segments=2)
+
+
+def test_oversubscribed_ranks_take_fewer_steps():
+    """Ranks that outnumber their node's cores run in turn: every step costs a wake-up
+    chain, so the model trades bytes and messages for steps."""
+    topo = Topology.flat(8, same_node="unix")
+    assert choose("all_reduce", topo, 4) == "recursive_doubling"
+    assert choose("all_reduce", topo, 4, oversubscribed=True) == "direct"
+    times = predict("all_reduce", topo, 4, oversubscribed=True)
+    plain = predict("all_reduce", topo, 4)
+    for algo in times:
+        steps = len(build("all_reduce", algo, topo, 1).steps)
+        assert times[algo] == pytest.approx(plain[algo] + steps * DEFAULT.wake)

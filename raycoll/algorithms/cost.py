@@ -12,9 +12,11 @@ model's minimum over a collective's algorithms for (bytes, node map); ties go to
 algorithm listed first in :data:`~raycoll.algorithms.schedule.ALGORITHMS`. Every rank holds
 the same model and the same topology, so every rank makes the same choice.
 
-The defaults were measured on this project's 2-core machine (benchmarks/BENCHMARKS.md,
-"Many ranks"); ``raycoll-bench --calibrate`` measures a cluster's and prints the
-``cost_model`` group option that carries them.
+On a node whose ranks outnumber its cores (a group on one node only: every rank then knows
+the same core count), every step also costs ``wake``: its ranks run in turn, each waiting
+to be scheduled. The defaults were measured on this project's 2-core machine
+(benchmarks/BENCHMARKS.md, "Many ranks"); ``raycoll-bench --calibrate`` measures a
+cluster's and prints the ``cost_model`` group option that carries them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class CostModel:
 
     links: Mapping[str, LinkCost] = field(default_factory=dict)
     gamma: float = 0.0
+    #: seconds every step costs on a node whose ranks outnumber its cores: a step waits for
+    #: its ranks to be scheduled in turn (a chain of wake-ups), whatever it moves
+    wake: float = 0.0
 
     @classmethod
     def of(cls, spec: Optional[Mapping[str, Any]]) -> "CostModel":
@@ -66,32 +71,35 @@ class CostModel:
             raise TypeError(f"cost_model: expected a dict like {{'tcp': {{'alpha': 5e-05, "
                             f"'beta': 4e-10}}}}, got {type(spec).__name__}")
         links = dict(DEFAULT.links)
-        gamma = DEFAULT.gamma
+        scalars = {"gamma": DEFAULT.gamma, "wake": DEFAULT.wake}
         for key, value in spec.items():
-            if key == "gamma":
-                gamma = _positive("gamma", value)
+            if key in scalars:
+                scalars[key] = _positive(key, value)
                 continue
             if key not in LINK_CLASSES:
                 raise ValueError(f"cost_model: unknown key {key!r}; expected one of "
-                                 f"{', '.join(LINK_CLASSES)} or gamma")
+                                 f"{', '.join(LINK_CLASSES)}, gamma or wake")
             if not isinstance(value, Mapping) or set(value) - {"alpha", "beta"}:
                 raise ValueError(f"cost_model[{key!r}]: expected a dict with 'alpha' and/or "
                                  f"'beta' (seconds), got {value!r}")
             base = links[key]
             links[key] = LinkCost(_positive(f"{key}.alpha", value.get("alpha", base.alpha)),
                                   _positive(f"{key}.beta", value.get("beta", base.beta)))
-        return cls(links, gamma)
+        return cls(links, scalars["gamma"], scalars["wake"])
 
     def as_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {k: {"alpha": v.alpha, "beta": v.beta}
                                for k, v in self.links.items()}
         out["gamma"] = self.gamma
+        out["wake"] = self.wake
         return out
 
     def time(self, schedule: Schedule, topology: Topology, itemsize: int,
-             reduces: bool = True) -> float:
-        """The predicted seconds of ``schedule`` on ``topology`` (see the module docstring)."""
-        total = 0.0
+             reduces: bool = True, oversubscribed: bool = False) -> float:
+        """The predicted seconds of ``schedule`` on ``topology`` (see the module docstring);
+        ``oversubscribed``: its ranks outnumber their node's cores (each step costs ``wake``
+        more)."""
+        total = self.wake * len(schedule.steps) if oversubscribed else 0.0
         for step in schedule.steps:
             per_rank: Dict[int, float] = {}
             pairs: Dict[Tuple[int, int], Tuple[int, bool]] = {}
@@ -113,26 +121,29 @@ DEFAULT = CostModel(
     links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),
            "tcp": LinkCost(60e-6, 0.35e-9)},
     gamma=0.3e-9,
+    wake=0.5e-3,
 )
 
 
 def predict(collective: str, topology: Topology, nbytes: int, itemsize: int = 4,
             model: CostModel = DEFAULT, root: int = 0,
-            algorithms: Optional[Iterable[str]] = None) -> Dict[str, float]:
+            algorithms: Optional[Iterable[str]] = None,
+            oversubscribed: bool = False) -> Dict[str, float]:
     """Predicted seconds of each of ``collective``'s algorithms (or of ``algorithms``) for
-    ``nbytes`` a rank on ``topology``."""
+    ``nbytes`` a rank on ``topology`` (``oversubscribed``: see :meth:`CostModel.time`)."""
     n = nbytes // itemsize
     out = {}
     for algo in (algorithms if algorithms is not None else ALGORITHMS[collective]):
         check_algorithm(collective, algo)
         schedule = build(collective, algo, topology, n, root)
-        out[algo] = model.time(schedule, topology, itemsize)
+        out[algo] = model.time(schedule, topology, itemsize, oversubscribed=oversubscribed)
     return out
 
 
 def choose(collective: str, topology: Topology, nbytes: int, itemsize: int = 4,
            model: CostModel = DEFAULT, root: int = 0,
-           algorithms: Optional[Iterable[str]] = None) -> str:
+           algorithms: Optional[Iterable[str]] = None, oversubscribed: bool = False) -> str:
     """The algorithm of ``collective`` the model predicts fastest (the first listed on a tie)."""
-    times = predict(collective, topology, nbytes, itemsize, model, root, algorithms)
+    times = predict(collective, topology, nbytes, itemsize, model, root, algorithms,
+                    oversubscribed)
     return min(times, key=lambda a: (times[a], list(times).index(a)))

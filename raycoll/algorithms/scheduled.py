@@ -32,6 +32,7 @@ from raycoll.algorithms.schedule import ALGORITHMS, Schedule, Transfer
 from raycoll.algorithms.topology import Topology
 from raycoll.options import SCHEDULED
 from raycoll.reduce_op import ReduceOp, combine
+from raycoll.transport.lane import oversubscribed
 
 __all__ = ["ScheduledAlgorithms", "DIRECT"]
 
@@ -68,6 +69,8 @@ class ScheduledAlgorithms:
     def _init_scheduled(self) -> None:
         opts = self.ctx.options
         self.topology = Topology(self.ctx.node_ids, same_node="unix")
+        # Only a group on one node knows its node's cores alike on every rank.
+        self.oversubscribed = self.topology.num_nodes == 1 and oversubscribed(self.ctx.size)
         self.cost_model = CostModel.of(opts.cost_model)
         self.forced: Dict[str, Optional[str]] = {}
         for name, collective in SCHEDULED.items():
@@ -85,7 +88,8 @@ class ScheduledAlgorithms:
         key = (collective, nbytes, itemsize, root)
         algo = self._choices.get(key)
         if algo is None:
-            algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model, root)
+            algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model, root,
+                          oversubscribed=self.oversubscribed)
             self._remember(self._choices, key, algo)
             logger.debug("group %r: %s of %d bytes on %s: %s", self.ctx.group_name, collective,
                          nbytes, self.topology.ranks_per_node, algo)
