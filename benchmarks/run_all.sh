@@ -15,7 +15,7 @@ run ops4_gloo --op all_reduce,broadcast,all_gather,reduce_scatter,all_to_all --s
     --world-size 4 --vs gloo --check --iters 8 --warmup 2
 run small2 --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines
 run small2_coordinator --op all_reduce --sizes 4 --world-size 2 --iters 300 --warmup 30 --baselines \
-    --set lane=false
+    --set transport=store
 run store2_gloo --op all --sizes 4M,64M --world-size 2 --vs gloo --check --iters 10 --warmup 3 \
     --set stream=false
 run store4_gloo --op all_reduce,broadcast --sizes 64M --world-size 4 --vs gloo --iters 8 --warmup 2 \
