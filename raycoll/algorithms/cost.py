@@ -121,7 +121,7 @@ DEFAULT = CostModel(
     links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),
            "tcp": LinkCost(60e-6, 0.35e-9)},
     gamma=0.3e-9,
-    wake=0.5e-3,
+    wake=0.1e-3,
 )
 
 
