@@ -39,7 +39,7 @@ modules use are importable from here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from raycoll import errors
 from raycoll.transport.base import Message, RoundTransport, project
@@ -105,8 +105,15 @@ class TcpTransport(RoundTransport):
         if self._message is not message:
             kind, _epoch, key, fp, payload = message
             self._message = message
-            self._writers = {j: Writer(encode_round((kind, key, fp, project(payload, j))))
-                             for j in self._dests}
+            self._writers = {}
+            same: Optional[List[memoryview]] = None  # one encoding for every peer alike
+            for j in self._dests:
+                mine = project(payload, j)
+                if mine is payload:
+                    same = same if same is not None else encode_round((kind, key, fp, payload))
+                    self._writers[j] = Writer(list(same))
+                else:
+                    self._writers[j] = Writer(encode_round((kind, key, fp, mine)))
         for j, writer in list(self._writers.items()):
             if writer.push(self._out(j).sock):
                 del self._writers[j]
