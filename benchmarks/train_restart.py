@@ -16,10 +16,11 @@ each worker's ``train_fn`` start (after the backend formed the process group) in
 groups, the kill, the peer's error (which one, and its message), each new worker's end of
 its first step and of ``train_fn``. Per fit: ``fit()`` -> both first workers in train_fn;
 kill -> the peer's error; kill -> both new workers in train_fn; kill -> both done with the
-first step after the restart; train_fn done -> ``fit()`` returned; the fit's wall time. The fits alternate between the
-backends (the first alternating per repeat) after one untimed short fit per backend (Ray's
-worker processes, imports). Medians over repeats; the ratio gloo / raycoll per repeat (same
-machine state) and its median.
+first step after the restart; train_fn done -> ``fit()`` returned; the fit's wall time.
+The fits alternate between the backends (the first alternating per repeat) after one
+untimed short fit per backend (Ray's worker processes, imports). Medians over repeats; the
+ratio gloo / raycoll per repeat (same machine state) and its median: above 1, raycoll took
+less time.
 """
 
 from __future__ import annotations
