@@ -12,6 +12,9 @@ A fit is one ``TorchTrainer`` run of 2 workers (1 CPU each) with ``torch_config`
 ``ray.train.torch.prepare_model`` wraps ddp_step's MLP in DDP and ddp_step's step loop times
 ``--steps`` steps after ``--warmup`` (a barrier, untimed, before every step). Per round and
 placement the two backends run one after the other, the first alternating between rounds.
+``--placements`` may add ``actors``, the control without Ray Train: ddp_step.py's own
+harness (``raycoll.spawn``, two zero-CPU actors on one node of the same cluster, each
+backend's process group set up by hand, raycoll then gloo).
 The figure is the median over a fit's steps of the slowest worker's step, then the median
 over rounds; the ratio gloo / raycoll is taken per round (same machine state) and its
 median printed, with the range.
@@ -42,6 +45,9 @@ ray.cloudpickle.register_pickle_by_value(ddp_step)  # Ray Train's workers cannot
 
 BACKENDS = ("raycoll", "gloo")
 PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}
+#: ``--placements actors``: ddp_step.py's own harness (raycoll.spawn, plain zero-CPU actors,
+#: torch.distributed set up by hand) on one node of the same cluster: the control, no Ray Train
+ACTORS = "actors"
 
 
 def torch_config(backend: str) -> Any:
@@ -106,11 +112,24 @@ def _start_cluster() -> Any:
     os.environ.setdefault("RAYCOLL_SOCKET_IFNAME", "lo")  # before the nodes start: they
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")     # and their workers inherit these
     cluster = Cluster()
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, include_dashboard=False)
+    for i in range(2):
+        cluster.add_node(num_cpus=2, resources={f"node{i}": 2}, include_dashboard=False)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)  # the workers' logs: files
     return cluster
+
+
+def _control(cfg: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
+    """ddp_step.py's harness (both backends in the same 2 actors on node 0, raycoll first),
+    as per-backend lists of what :func:`_train_fn` reports per worker."""
+    import raycoll
+
+    results = raycoll.spawn(ddp_step.bench_rank, 2,
+                            args=({**cfg, "world_size": 2, "rounds": 1}, [ddp_step._free_port()]),
+                            actor_options={"num_cpus": 0, "resources": {"node0": 1}})
+    return {b: [{"times": res[b], "cpu_other": res["cpu"][b]["other"], "node": res["node"],
+                 "transport": res["transport"] if b == "raycoll" else b} for res in results]
+            for b in BACKENDS}
 
 
 def _run(args: argparse.Namespace, placements: List[str],
@@ -123,13 +142,18 @@ def _run(args: argparse.Namespace, placements: List[str],
             for b in BACKENDS} for p in placements}
     for r in range(args.rounds):
         for p in placements:
+            control = _control(cfg) if p == ACTORS else {}
             for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
-                out = os.path.join(storage, f"{r}-{p}-{backend}.json")
-                result, _ = fit(_train_fn, backend, {**cfg, "out": out}, storage, PLACEMENTS[p])
-                if result.error is not None:
-                    raise RuntimeError(f"{backend} {p}: {result.error!r}")
-                with open(out) as f:
-                    ranks = json.load(f)
+                if p == ACTORS:
+                    ranks = control[backend]
+                else:
+                    out = os.path.join(storage, f"{r}-{p}-{backend}.json")
+                    result, _ = fit(_train_fn, backend, {**cfg, "out": out}, storage,
+                                    PLACEMENTS[p])
+                    if result.error is not None:
+                        raise RuntimeError(f"{backend} {p}: {result.error!r}")
+                    with open(out) as f:
+                        ranks = json.load(f)
                 slowest = [max(rk["times"][i] for rk in ranks) for i in range(args.steps)]
                 row = rows[p][backend]
                 row["median_s"].append(statistics.median(slowest))
@@ -176,7 +200,8 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--placements", default="pack,spread",
-                        help="comma-separated: pack (one node), spread (one worker a node)")
+                        help="comma-separated: pack (one node), spread (one worker a node), "
+                             "actors (the control: ddp_step.py's harness, no Ray Train)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(list(argv))
     placements = args.placements.split(",")
