@@ -12,8 +12,10 @@ reshuffled every epoch). Each epoch ends with ``ray.train.report`` of the epoch'
 ``ray.train.get_checkpoint()`` resumes from it.
 
 Restarts: ``--fail-at-epoch N`` makes world rank 1 die once at the start of epoch N; its
-peer raises ``RankFailedError``, Ray Train (``FailureConfig(max_failures=1)``) starts a new
-worker group on a new raycoll group, and it resumes from the last checkpoint. Running the
+peer's next collective fails (``RankFailedError``, unless Ray Train, which watches its
+workers, has already ended it), Ray Train (``FailureConfig(max_failures=1)``) starts a new
+worker group on a new raycoll group, and it resumes from the last checkpoint Ray Train
+registered. Running the
 script again with the same ``--storage`` and ``--name`` and more ``--epochs`` resumes the
 finished run where it stopped (Ray Train restores a run from its storage).
 
@@ -83,7 +85,7 @@ def train_fn(config: Dict[str, Any]) -> None:
         if epoch == config.get("fail_at_epoch") and rank == 1 \
                 and not os.path.exists(config["fail_marker"]):
             open(config["fail_marker"], "w").close()
-            os._exit(1)  # a worker dies: its peer raises RankFailedError, Ray Train restarts
+            os._exit(1)  # a worker dies; Ray Train restarts the worker group
         if world > 1:
             loader.sampler.set_epoch(epoch)
         total = torch.zeros(2)  # sum of batch losses, number of batches
