@@ -11,7 +11,8 @@ step, and resumes from ``ray.train.get_checkpoint()``. At step ``--kill-at`` of 
 worker group, world rank 1 writes the time and ends its process (``os._exit(1)``); its peer
 fails in DDP's all_reduce, Ray Train starts a new worker group, and it resumes.
 
-Timestamps (``time.time()``, one machine), written by the workers into a directory per fit:
+Timestamps (``time.monotonic()``: CLOCK_MONOTONIC, one for every process of the machine;
+the wall clock of the reference VM steps), written by the workers into a directory per fit:
 each worker's ``train_fn`` start (after the backend formed the process group) in both worker
 groups, the kill, the peer's error (which one, and its message), each new worker's end of
 its first step and of ``train_fn``. Per fit: ``fit()`` -> both first workers in train_fn;
@@ -58,7 +59,7 @@ def _train_fn(config: Dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    now = time.time()
+    now = time.monotonic()
     torch.set_num_threads(1)
     tmp, rank = config["tmp"], ray.train.get_context().get_world_rank()
     restarted = os.path.exists(os.path.join(tmp, "killed"))
@@ -77,25 +78,25 @@ def _train_fn(config: Dict[str, Any]) -> None:
     one_step = {"warmup": 0, "steps": 1}
     for step in range(start, config["steps"]):
         if step == config.get("kill_at") and rank == 1 and not restarted:
-            _stamp(tmp, "killed", repr(time.time()))
+            _stamp(tmp, "killed", repr(time.monotonic()))
             os._exit(1)
         try:
             ddp_step._step_times(model, x, one_step)
         except Exception as e:  # the peer of the dead worker
             said = f"{type(e).__name__}: {e}"
-            _stamp(tmp, f"error-{rank}", repr(time.time()), next(
+            _stamp(tmp, f"error-{rank}", repr(time.monotonic()), next(
                 (n for n in ("RankFailedError", "CoordinatorDiedError") if n in said),
                 type(e).__name__), said.replace("\n", " ")[:2000])
             raise
         if restarted and step == start:
-            _stamp(tmp, f"first{gen}-{rank}", repr(time.time()))
+            _stamp(tmp, f"first{gen}-{rank}", repr(time.monotonic()))
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save({"model": model.module.state_dict(), "step": step},
                            os.path.join(d, "model.pt"))
             ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d)
                              if rank == 0 else None)
-    _stamp(tmp, f"end-{rank}", repr(time.time()))
+    _stamp(tmp, f"end-{rank}", repr(time.monotonic()))
 
 
 def _read(tmp: Path, name: str) -> List[str]:
@@ -160,7 +161,7 @@ def main(argv: Sequence[str] = ()) -> int:
         for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
             tmp = root / f"{backend}-{r}"
             tmp.mkdir()
-            fit_start = time.time()
+            fit_start = time.monotonic()
             result, fit_s = fit(_train_fn, backend, {**cfg, "tmp": str(tmp)},
                                 str(root / "storage"), max_failures=1)
             if result.error is not None:
