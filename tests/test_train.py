@@ -2,14 +2,19 @@
 
 DDP through Ray Train equals one-process training, on one node and on two; a worker killed
 mid-run fails its peer with RankFailedError and the run resumes from its checkpoint on a new
-group; fits in a row leave no actor, fd or object-store bytes behind.
+group; fits in a row leave no actor, fd or object-store bytes behind; the user's example,
+``examples/ray_train_ddp.py``, runs as a user runs it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -25,6 +30,7 @@ pytestmark = [
                        "'train' (pip install -e '.[train]')"),
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6  # training steps (one batch per worker per step)
 LR = 0.1
 
@@ -226,6 +232,25 @@ def test_torch_config_backend_raycoll_fails_at_once(train_ray, tmp_path):
     with pytest.raises(TrainingFailedError, match="raycoll"):
         _fit(tmp_path, torch_config=TorchConfig(backend="raycoll"))
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.timeout(300)
+def test_the_example_trains_resumes_after_a_worker_death_and_plots(tmp_path):
+    """``python examples/ray_train_ddp.py``, a Ray of its own (not the session's): a worker
+    dies at epoch 2, the run resumes from a checkpoint, the loss goes down, the PNG exists."""
+    png = tmp_path / "loss.png"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "examples/ray_train_ddp.py", "--epochs", "4", "--fail-at-epoch", "2",
+         "--storage", str(tmp_path / "storage"), "--plot", str(png)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=270)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"^epoch \d+  loss ([\d.]+)$", out, re.M)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out[-3000:]
+    # the second worker group resumed after the last checkpoint Ray Train had registered
+    assert re.search(r"^resumed from a checkpoint at epoch\(s\): \[[12]\]$", out, re.M), out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.cluster
