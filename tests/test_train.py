@@ -202,7 +202,10 @@ def test_fits_in_a_row_leak_no_actor_fd_or_object_store_bytes(train_ray, tmp_pat
         time.sleep(0.5)
     assert _alive_actors() == actors
     assert _fds() <= fds + 2, (fds, _fds())
-    assert store_used()[0] <= used + 1024, (used, store_used())
+    # the last fit's worker died: Ray frees its group's objects a moment after (a bounded poll;
+    # a leak still fails, after 30 s)
+    helpers.wait_for(lambda: store_used()[0] <= used + 1024, timeout=30,
+                     what=f"object-store bytes back to {used} + 1 KiB: {store_used()}")
 
 
 @pytest.mark.timeout(60)
