@@ -173,6 +173,9 @@ def listener() -> Optional[_Listener]:
         return _LISTENER
 
 
+#: How long a rank tries to connect to a suspected peer's listener (see ``Links.suspects``).
+REFUSED_PROBE_S = 0.5
+
 #: The send buffer of a Unix socket: the default (about 200 KiB) wakes the reader for every
 #: few tens of KiB of a large message (a syscall and a wake-up each); the kernel caps it at
 #: ``net.core.wmem_max``. TCP's buffers tune themselves.
@@ -366,10 +369,37 @@ class Links:
 
     def suspects(self, src: Optional[int], exc: BaseException) -> List[int]:
         """Group ranks that connection failure ``exc`` (reading from ``src``) suggests are
-        dead: those whose connections closed without a goodbye."""
+        dead: those whose connections closed without a goodbye, and, on their nodes, the
+        ranks this one has no connection from (an algorithm pairs a rank with few peers)
+        whose listener no longer takes connections: a node that went away took them too."""
         if not isinstance(exc, (PeerClosed, ConnectionResetError, BrokenPipeError)):
             return []
-        return sorted(set(self.closed_peers()) | ({src} if src is not None else set()))
+        gone = set(self.closed_peers()) | ({src} if src is not None else set())
+        nodes = {self.nodes[g] for g in gone}
+        with self._lock:
+            heard = {s for s, _purpose in self._in}
+        for r in range(self.size):
+            if r != self.rank and r not in gone and r not in heard \
+                    and self.nodes[r] in nodes and self._refused(r):
+                gone.add(r)
+        return sorted(gone)
+
+    def _refused(self, dst: int) -> bool:
+        """Whether group rank ``dst``'s listener refuses a connection now (its process is
+        gone; a host that does not answer within ``REFUSED_PROBE_S`` counts as alive)."""
+        host, port, unix = (tuple(self.addresses[dst]) + (None,))[:3]
+        try:
+            if unix and self.nodes[dst] == self.nodes[self.rank]:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(REFUSED_PROBE_S)
+                    sock.connect(unix)
+            else:
+                socket.create_connection((host, port), timeout=REFUSED_PROBE_S).close()
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:
+            return False
+        return False
 
     def close(self, goodbye: str = BYE) -> None:
         """Close every connection, first telling the peers why (``"bye"``: the group was
