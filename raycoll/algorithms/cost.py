@@ -12,9 +12,9 @@ model's minimum over a collective's algorithms for (bytes, node map); ties go to
 algorithm listed first in :data:`~raycoll.algorithms.schedule.ALGORITHMS`. Every rank holds
 the same model and the same topology, so every rank makes the same choice.
 
-On a node whose ranks outnumber its cores (a group on one node only: every rank then knows
-the same core count), every step also costs ``wake``: its ranks run in turn, each waiting
-to be scheduled. The defaults were measured on this project's 2-core machine
+On a host whose ranks outnumber its cores (a group on one host only: one Ray node, or Ray
+nodes on one machine; every rank then knows the same core count), every step also costs
+``wake``: its ranks run in turn, each waiting to be scheduled. The defaults were measured on this project's 2-core machine
 (benchmarks/BENCHMARKS.md, "Many ranks"); ``raycoll-bench --calibrate`` measures a
 cluster's and prints the ``cost_model`` group option that carries them.
 """
