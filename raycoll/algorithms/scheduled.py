@@ -118,21 +118,27 @@ class ScheduledAlgorithms:
         if len(cache) > _CACHE:
             cache.popitem(last=False)
 
+    def _schedules(self, collective: str, nbytes: int, itemsize: int, call: Any,
+                   root: int = 0) -> bool:
+        """Whether ``collective`` of ``nbytes`` a rank runs a schedule here (the group has
+        direct connections and its algorithm is not the direct exchange), the same on every
+        rank: ask before building a buffer for :meth:`_scheduled`."""
+        if self.ctx.size < 3:
+            return False  # two ranks: every algorithm is the direct exchange
+        if self.ctx.sparse_transport(call) is None:
+            return False
+        return self.algorithm(collective, nbytes, itemsize, root) not in DIRECT
+
     def _scheduled(self, collective: str, flat: np.ndarray, op: Optional[ReduceOp], call: Any,
                    root: int = 0) -> bool:
         """Run ``collective`` on ``flat`` (this rank's whole buffer, in place, in the
-        schedule's layout) if the group has direct connections and its algorithm is not the
-        direct exchange; ``False`` (nothing done) otherwise, the same on every rank."""
-        if self.ctx.size < 3:
-            return False  # two ranks: every algorithm is the direct exchange
-        plane = self.ctx.sparse_transport(call)
-        if plane is None:
+        schedule's layout) if :meth:`_schedules` says so; ``False`` (nothing done)
+        otherwise, the same on every rank."""
+        if not self._schedules(collective, flat.nbytes, flat.itemsize, call, root):
             return False
         algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
-        if algo in DIRECT:
-            return False
         schedule, plan = self._plan(collective, algo, flat.size, flat.itemsize, root)
-        self._run(collective, schedule, plan, flat, op, call, plane)
+        self._run(collective, schedule, plan, flat, op, call, self.ctx.sparse_transport(call))
         return True
 
     def _run(self, collective: str, schedule: Schedule, plan: Plan, flat: np.ndarray,

@@ -181,7 +181,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
         if me != dst:  # a schedule reduces in the buffer: not in the caller's
-            if self._scheduled("reduce", np.array(flat_in(arr)), op, call, root=dst):
+            if self._schedules("reduce", arr.nbytes, arr.itemsize, call, root=dst):
+                self._scheduled("reduce", np.array(flat_in(arr)), op, call, root=dst)
                 return
         else:
             with flat_out(arr) as flat:
@@ -237,12 +238,14 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
 
     def _reduce_scatter(self, pieces: Sequence[np.ndarray], flat: np.ndarray, op: ReduceOp,
                         call: Call) -> None:
-        if all(p.size == flat.size and p.dtype == flat.dtype for p in pieces):
-            whole = np.concatenate(pieces) if pieces else flat[:0]
-            if self._scheduled("reduce_scatter", whole, op, call):
-                me, n = self.ctx.rank, flat.size
-                np.copyto(flat, whole[me * n:(me + 1) * n])
-                return
+        if all(p.size == flat.size and p.dtype == flat.dtype for p in pieces) \
+                and self._schedules("reduce_scatter", flat.nbytes * len(pieces),
+                                    flat.itemsize, call):
+            whole = np.concatenate(pieces)  # the schedule reduces in place: a copy
+            self._scheduled("reduce_scatter", whole, op, call)
+            me, n = self.ctx.rank, flat.size
+            np.copyto(flat, whole[me * n:(me + 1) * n])
+            return
         if self._streams(flat.nbytes * (self.ctx.size - 1)) \
                 and self._stream_reduce_scatter(pieces, flat, op, call):
             return
@@ -295,14 +298,15 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
         if root is None and len(outs) == self.ctx.size \
-                and all(o.size == mine.size and o.dtype == mine.dtype for o in outs):
+                and all(o.size == mine.size and o.dtype == mine.dtype for o in outs) \
+                and self._schedules("all_gather", mine.nbytes * len(outs), mine.itemsize, call):
             me, n = self.ctx.rank, mine.size
             whole = np.empty(n * self.ctx.size, dtype=mine.dtype)
             whole[me * n:(me + 1) * n] = flat_in(mine)
-            if self._scheduled("all_gather", whole, None, call):
-                for j, o in enumerate(outs):
-                    copy_into(o, [whole[j * n:(j + 1) * n]])
-                return
+            self._scheduled("all_gather", whole, None, call)
+            for j, o in enumerate(outs):
+                copy_into(o, [whole[j * n:(j + 1) * n]])
+            return
         if self._streams(mine.nbytes):
             with ExitStack() as stack:
                 flats = [stack.enter_context(flat_out(o)) for o in outs]

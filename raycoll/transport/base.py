@@ -49,7 +49,7 @@ from raycoll.transport.counters import Counters, payload_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["PerPeer", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
+__all__ = ["PerPeer", "ToEach", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
 
 #: ``(kind, epoch, (seq, round), fingerprint, payload)``; kind ``"msg"`` or ``"reject"``.
 Message = Tuple[str, str, Tuple[int, int], Any, Any]
@@ -97,9 +97,20 @@ class PerPeer(list):
     __slots__ = ()
 
 
+class ToEach(dict):
+    """A round's payload between some ranks only (:meth:`RoundTransport.exchange`): group
+    rank -> what it is sent; destination ``j`` receives element ``j`` alone, not a list as
+    long as the group."""
+
+    __slots__ = ()
+
+
 def project(payload: Any, dst: int) -> Any:
     """``payload`` as destination ``dst`` needs it: each :class:`PerPeer` (at the top or
-    inside a top-level tuple) keeps only element ``dst``."""
+    inside a top-level tuple) keeps only element ``dst``; a :class:`ToEach` becomes its
+    element ``dst``."""
+    if isinstance(payload, ToEach):
+        return payload.get(dst)
     if isinstance(payload, PerPeer):
         out = PerPeer([None] * len(payload))
         out[dst] = payload[dst]
@@ -232,10 +243,9 @@ class RoundTransport:
             raise TypeError(f"the {self.name} has no rounds between some ranks only")
         if first:
             self._call_began = time.monotonic()
-        got = self.all_gather(call, PerPeer(sends.get(j) for j in range(self.ctx.size)), sub,
-                              views, dests=sorted(sends), sources=sources)
-        me = self.ctx.rank
-        return {s: got[s][me] for s in sources}
+        got = self.all_gather(call, ToEach(sends), sub, views, dests=sorted(sends),
+                              sources=sources)
+        return {s: got[s] for s in sources}
 
     #: Whether this transport can send a round's message to some peers only (``exchange``).
     sparse = False
