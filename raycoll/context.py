@@ -162,6 +162,9 @@ class GroupContext:
         self._route_rounds = 0
         self._route_steps: List[str] = []
         self._route_algorithm: Optional[str] = None
+        #: the algorithm each collective last ran with (``ScheduledAlgorithms``): collective
+        #: name -> algorithm, for ``group_status``
+        self.algorithms: Dict[str, str] = {}
         self._transports = transports(self) if transports is not None else None
 
     @property
@@ -244,6 +247,17 @@ class GroupContext:
         plane = self._set_up(call)
         return plane if plane and plane.sparse else None
 
+    def note_algorithm(self, collective: str, algorithm: str) -> None:
+        """Remember that this group's last ``collective`` ran ``algorithm`` (for
+        ``group_status``)."""
+        self.algorithms[collective] = algorithm
+
+    def report_detail(self) -> Dict[str, Any]:
+        """What this rank tells the coordinator of itself with its progress reports, for
+        ``group_status``: the algorithm each collective last ran with, and its counters."""
+        return {"rank": self.rank, "algorithms": dict(self.algorithms),
+                "counters": self.counters()}
+
     def note_rounds(self, call: Call, rounds: int, algorithm: str) -> None:
         """Count ``rounds`` rounds of ``call`` by scheduled ``algorithm`` on the round
         transport into the last route."""
@@ -255,12 +269,14 @@ class GroupContext:
         ``ProcessGroup.counters``)."""
         plane = self._plane
         per_op = getattr(plane, "counters", {}) if plane else {}
+        lane = getattr(plane, "node_lane", None) if plane else None
         sockets = self._transports.sockets if self._transports is not None else None
         return {
             "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
             "sockets": sockets("coll") if sockets else 0,
             "p2p_sockets": sockets("p2p") if sockets else 0,
             "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
+            "node_lane": sorted(lane.mates | {self.rank}) if lane is not None else [],
         }
 
     def _note(self, call: Call, rounds: int, step: Optional[str]) -> None:

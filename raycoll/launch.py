@@ -180,8 +180,12 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         {
           "group": "dp", "world_size": 4, "generation": 0,
           "broken": None,            # or the error that broke the group
+          "transport": "tcp",        # its round transport ("lane", "tcp"), None before one
+          "algorithms": {"all_reduce": "hierarchical", ...},  # the last one each collective
+                                     # ran with on direct connections (the cost model's pick)
           "ranks": {                 # by global rank
-            0: {"last_collective": ("all_reduce", 12), "waiting": True, "joined": False},
+            0: {"last_collective": ("all_reduce", 12), "waiting": True, "joined": False,
+                "counters": {...}},  # on direct connections: ProcessGroup.counters()
             3: {"last_collective": ("join", 12), "waiting": True, "joined": True},
             ...                      # last_collective is None before the first collective
           },
@@ -261,14 +265,24 @@ def _group_view(name: str, raw: Dict[Any, Any], all_ranks: Any) -> Dict[str, Any
         ranks[g] = {"last_collective": tuple(last) if last else None,
                     "waiting": waiting,
                     "joined": bool(info.get("joined", False))}
+        if "counters" in info:  # reported with its progress on direct connections
+            ranks[g]["counters"] = info["counters"]
     join = raw.get("join") or {}
+    # every rank chooses alike: the lowest reporting rank speaks for the group
+    algorithms = next((dict(raw[g]["algorithms"]) for g in sorted(ranks)
+                       if isinstance(raw.get(g), dict) and raw[g].get("algorithms")), {})
     return {"ranks": ranks, "joined": list(join.get("joined", [])),
-            "last_join": join.get("last"), "broken": raw.get("broken")}
+            "last_join": join.get("last"), "broken": raw.get("broken"),
+            "transport": raw.get("transport"), "algorithms": algorithms}
 
 
 def _summary(status: Dict[str, Any]) -> str:
     lines = [f"group {status['group']!r}: {status['world_size']} ranks"
+             + (f" on {status['transport']}" if status.get("transport") else "")
              + (f", BROKEN: {status['broken']}" if status.get("broken") else "")]
+    if status.get("algorithms"):
+        lines.append("algorithms: " + ", ".join(f"{c} {a}" for c, a in
+                                                sorted(status["algorithms"].items())))
     for g, info in status["ranks"].items():
         last = info["last_collective"]
         if last is None:

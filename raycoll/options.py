@@ -58,7 +58,12 @@ class GroupOptions:
     - ``lane_max_ranks``: int >= 0, no lane for groups larger than this (``None``: twice the
       node's cores);
     - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
-      sleep (``None``: 2 ms).
+      sleep (``None``: 2 ms);
+    - ``node_lanes``: in a group on several nodes, run the steps of its algorithms between
+      ranks of one node on a shared-memory lane of the node (:mod:`raycoll.transport.node_lane`):
+      ``True`` where a node holds 2 to ``lane_max_ranks`` of its ranks, ``False`` never;
+      ``None``: where those ranks also fit the cores of their machine (crowded ranks wait on
+      a lane by polling, on a socket in the kernel: measured slower).
 
     The CPU algorithms (:mod:`raycoll.backends.cpu`), mostly to force a choice when
     measuring:
@@ -96,6 +101,7 @@ class GroupOptions:
     lane_bytes: Optional[int] = None
     lane_max_ranks: Optional[int] = None
     lane_yield_s: Optional[float] = None
+    node_lanes: Optional[bool] = None
     stream: bool = True
     stream_bytes: Optional[int] = None
     inline_bytes: Optional[int] = None
@@ -203,6 +209,7 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "lane_bytes": _count(0),
     "lane_max_ranks": _count(0),
     "lane_yield_s": _seconds(),
+    "node_lanes": _flag(optional=True),
     "stream": _flag(optional=False),
     "stream_bytes": _count(1),
     "inline_bytes": _count(0),

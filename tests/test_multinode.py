@@ -89,21 +89,27 @@ def _stream_until_failure(rank, seconds):
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(two_nodes):
+@pytest.mark.parametrize("killed,options", [
+    (1, None),
+    (1, {"node_lanes": True}),  # ranks 0 and 2 share a node lane; 1 is on the other node
+    (2, {"node_lanes": True}),  # rank 0 loses its node-mate
+], ids=["sockets", "node-lane-other-node", "node-lane-node-mate"])
+def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(two_nodes, killed,
+                                                                                 options):
     worker = ray.remote(RankWorker)
     actors = [worker.options(num_cpus=0, resources={f"node{r % 2}": 1}).remote() for r in range(3)]
-    raycoll.create_group(actors, group_name="kill-mid-stream", timeout=120)
+    raycoll.create_group(actors, group_name="kill-mid-stream", timeout=120, options=options)
     try:
         refs = [a.run.remote(_stream_until_failure, r, (60.0,), {}) for r, a in enumerate(actors)]
         import time as _time
 
         _time.sleep(3.0)  # well inside the streaming loop
         killed_at = _time.time()
-        ray.kill(actors[1], no_restart=True)
-        for res in ray.get([refs[0], refs[2]], timeout=120):
+        ray.kill(actors[killed], no_restart=True)
+        for res in ray.get([r for i, r in enumerate(refs) if i != killed], timeout=120):
             assert res["type"] == "RankFailedError", res
-            assert res["failed_ranks"] == [1], res
-            assert "rank 1" in res["msg"], res
+            assert res["failed_ranks"] == [killed], res
+            assert f"rank {killed}" in res["msg"], res
             assert res["t"] - killed_at < 5.0, (res["t"] - killed_at, res["msg"])
     finally:
         raycoll.destroy_group("kill-mid-stream")
@@ -171,3 +177,96 @@ def test_hierarchical_all_reduce_sends_2_m_minus_1_over_m_n_a_node_between_real_
             assert set(out.values()) == {2 * (2 - 1) * nbytes // 2}, out
         else:  # a ring over 0-1-2-3: one rank a node sends every step to the other node
             assert set(out.values()) == {2 * 3 * nbytes // 4}, out
+
+
+def _lane_counts(rank, n):
+    from raycoll.world import world as the_world
+
+    x = np.arange(n, dtype=np.float32) * (rank + 1)
+    raycoll.all_reduce(x)
+    group = the_world().default
+    w = raycoll.get_world_size()
+    return {"ok": bool(np.allclose(x, np.arange(n) * (w * (w + 1) / 2))),
+            "algorithm": group.last_route.algorithm, "counters": group.counters()}
+
+
+def _three_and_one():
+    worker = ray.remote(RankWorker)
+    return [worker.options(num_cpus=0, resources={f"node{int(r == 3)}": 1}).remote()
+            for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_node_lanes_carry_the_steps_inside_a_node_with_the_schedules_exact_counts(two_nodes):
+    """Ranks 0-2 on one Ray node, rank 3 on the other, node lanes on: every all_reduce
+    algorithm right, the three node-mates share a lane (rank 3, alone, has none), and each
+    rank's counted traffic, lane rounds and sockets together, is the schedule's formula."""
+    from raycoll.algorithms.catalog import build
+    from raycoll.algorithms.counters import expected
+    from raycoll.algorithms.schedule import ALGORITHMS
+    from raycoll.algorithms.topology import Topology
+
+    actors = _three_and_one()
+    n = 3 * 1024
+    topo = Topology([0, 0, 0, 1])
+    try:
+        for algo in [a for a in ALGORITHMS["all_reduce"] if a not in ("direct", "direct_rsag")]:
+            got = run_on(actors, _lane_counts, (n,), group_name=f"lanes-{algo}", timeout=120,
+                         options={"node_lanes": True, "all_reduce_algo": algo})
+            want = expected(build("all_reduce", algo, topo, n), topo, 4)
+            for rank, (g, w) in enumerate(zip(got, want)):
+                assert g["ok"] and g["algorithm"] == algo, (algo, rank, g)
+                assert g["counters"]["node_lane"] == ([0, 1, 2] if rank < 3 else []), (algo, g)
+                assert g["counters"]["collectives"]["all_reduce"] == w, (algo, rank)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_over_node_lanes_and_sockets_matches_numpy(two_nodes):
+    """3 + 1 ranks with node lanes, each collective forced to one scheduled algorithm after
+    another, small and pipelined in segments (lane messages framed and through Ray's
+    serializer): every collective and point-to-point call right against numpy."""
+    from raycoll.algorithms.schedule import ALGORITHMS
+
+    options = {"all_reduce": "all_reduce_algo", "reduce_scatter": "reduce_scatter_algo",
+               "all_gather": "all_gather_algo", "broadcast": "broadcast_algo",
+               "reduce": "reduce_algo"}
+    scheduled = {c: [a for a in algos if a not in ("direct", "direct_rsag")]
+                 for c, algos in ALGORITHMS.items()}
+    actors = _three_and_one()
+    try:
+        for i in range(max(len(a) for a in scheduled.values())):
+            forced = {"node_lanes": True, "stream_bytes": 65536,
+                      **{options[c]: a[i % len(a)] for c, a in scheduled.items()}}
+            for n in (7, 40_003):
+                results = run_on(actors, every_op, (4, n), group_name=f"lanes-every-{i}-{n}",
+                                 timeout=120, options=forced)
+                for rank, (bad, transport) in enumerate(results):
+                    assert transport == "tcp", (rank, transport)
+                    assert bad == [], (rank, n, forced, bad)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+@pytest.mark.timeout(120)
+def test_node_lanes_by_default_only_where_the_ranks_fit_the_cores(two_nodes):
+    """By default a node lane is set up only where the group's ranks on the machine fit its
+    cores (crowded ranks poll a lane: measured slower than sockets); ``node_lanes=False``
+    never sets one up."""
+    from raycoll.transport.lane import oversubscribed
+
+    actors = _three_and_one()
+    try:
+        default = run_on(actors, _lane_counts, (16,), group_name="lanes-default", timeout=60)
+        off = run_on(actors, _lane_counts, (16,), group_name="lanes-off", timeout=60,
+                     options={"node_lanes": False})
+    finally:
+        for a in actors:
+            ray.kill(a)
+    assert all(g["ok"] for g in default + off)
+    assert all(g["counters"]["node_lane"] == [] for g in off), off
+    lanes = [] if oversubscribed(4) else [0, 1, 2]
+    assert [g["counters"]["node_lane"] for g in default[:3]] == [lanes] * 3, default

@@ -160,3 +160,31 @@ def test_a_mismatch_in_a_scheduled_collective_fails_every_rank_fast(pool):
     assert any("CollectiveMismatchError" in m for m in got), got
     assert all("shape" in m or "mismatch" in m.lower() or "broken" in m for m in got), got
 
+
+
+def _status_after_ring(rank: int) -> Any:
+    x = np.ones(4096, np.float32)
+    raycoll.all_reduce(x)
+    assert float(x[0]) == raycoll.get_world_size()
+    from raycoll.world import world as the_world
+
+    name = the_world().default.group_name
+    status = raycoll.group_status(name) if rank == 0 else None
+    raycoll.barrier()  # every rank stays until rank 0 has its answer
+    return status
+
+
+@pytest.mark.timeout(120)
+def test_group_status_shows_the_chosen_algorithm_and_each_ranks_counters(pool):
+    world = 4
+    status = pool.run(_status_after_ring, world,
+                      options={"transport": "tcp", "all_reduce_algo": "ring"})[0]
+    assert status["transport"] == "tcp", status
+    assert status["algorithms"].get("all_reduce") == "ring", status["algorithms"]
+    assert "all_reduce ring" in status["summary"], status["summary"]
+    # a ring all_reduce of n bytes sends 2 (W - 1) / W n a rank, all to one node-mate
+    n = 4096 * 4
+    for g, info in status["ranks"].items():
+        counts = info["counters"]["collectives"]["all_reduce"]
+        assert counts["bytes_sent_same_node"] == 2 * (world - 1) * n // world, (g, counts)
+        assert counts["peers"] == 2, (g, counts)

@@ -142,6 +142,10 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
                 out[key]["transport"] = self._transports[key]
                 out[key]["lane"] = self._transports[key] == "lane"
                 out[key]["report_period_s"] = self._report_period.get(key, 0.0)
+            for g, detail in self._details.get(key, {}).items():
+                if g in out[key]:
+                    out[key][g]["algorithms"] = detail.get("algorithms", {})
+                    out[key][g]["counters"] = detail.get("counters")
             self._join_status(key, out[key])
         return ok({"world_size": self._world_size, "members": sorted(self._members),
                     "generation": self._generation, "groups": out})

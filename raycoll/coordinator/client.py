@@ -189,11 +189,14 @@ class CoordinatorClient:
 
     def submit_transport_progress(self, key: str, ranks: Sequence[int], progress: Progress,
                                   transport: str = "lane",
-                                  period_s: float = 0.0) -> "ray.ObjectRef":
+                                  period_s: float = 0.0,
+                                  detail: Optional[Dict[str, Any]] = None) -> "ray.ObjectRef":
         """Tell the coordinator each group rank's last completed collective on round
-        transport ``transport`` (for group_status), and how often this rank reports
-        (``period_s``); does not wait."""
-        return self.handle.transport_progress.remote(key, ranks, progress, transport, period_s)
+        transport ``transport`` (for group_status), how often this rank reports
+        (``period_s``) and ``detail``, what this rank says of itself (see
+        ``Coordinator.transport_progress``); does not wait."""
+        return self.handle.transport_progress.remote(key, ranks, progress, transport, period_s,
+                                                     detail)
 
     # ------------------------------------------------------------------ join
     def submit_join_round(self, key: str, ranks: Sequence[int], seq: int, rank: int,

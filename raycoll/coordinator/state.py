@@ -107,6 +107,9 @@ class CoordinatorState:
         self._transports: Dict[str, str] = {}
         # ... and the longest period between two progress reports of one of its ranks
         self._report_period: Dict[str, float] = {}
+        # ... and what each of its ranks last said of itself: the algorithms it chose, its
+        # counters (global rank -> detail)
+        self._details: Dict[str, Dict[int, Dict[str, Any]]] = {}
         # liveness (see raycoll.coordinator.liveness)
         self._dead: Dict[int, str] = {}  # global rank -> why it is considered dead
         self._death_report: Optional[asyncio.TimerHandle] = None

@@ -83,15 +83,21 @@ class TransportMixin(CoordinatorState):
 
     def transport_progress(self, key: str, ranks: Tuple[int, ...],
                            progress: Dict[int, Tuple[str, int]],
-                           transport: str = "lane", period_s: float = 0.0) -> Result:
+                           transport: str = "lane", period_s: float = 0.0,
+                           detail: Optional[Dict[str, Any]] = None) -> Result:
         """What a rank knows of its collectives on round transport ``transport`` (``"lane"``
         or ``"tcp"``): ``progress[r]`` is the last collective group rank ``r`` completed (for
         group_status; sent every ``period_s`` at most, and before group_status is asked from
         inside a rank). The ranks of a node share one period's worth of reports, so the
-        coordinator takes O(1) of these a second per group and node, however many ranks."""
+        coordinator takes O(1) of these a second per group and node, however many ranks.
+        ``detail``: the reporting rank's own view (``{"rank": group rank, "algorithms":
+        {collective: algorithm}, "counters": ProcessGroup.counters()}``), kept for
+        group_status, the last one a rank."""
         self._groups[key] = tuple(ranks)
         self._note_progress(key, None, 0, "", progress, transport)
         self._report_period[key] = max(self._report_period.get(key, 0.0), float(period_s))
+        if detail is not None and 0 <= detail.get("rank", -1) < len(ranks):
+            self._details.setdefault(key, {})[ranks[detail["rank"]]] = detail
         return ok()
 
     def _note_progress(self, key: str, rank: Optional[int], seq: int, op: str,

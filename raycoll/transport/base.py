@@ -432,7 +432,7 @@ class RoundTransport:
         try:
             self.ctx.client.submit_transport_progress(self.ctx.group_name,
                                                       self.ctx.global_ranks, progress, self.kind,
-                                                      period)
+                                                      period, self.ctx.report_detail())
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 

@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import ray
@@ -146,10 +146,24 @@ def lane_possible(ctx: "GroupContext") -> bool:
     process being the rank's actor (the caller checks the group option ``transport``)."""
     if ctx.size < 2 or not ctx.single_node:
         return False
-    if ctx.size > or_default(ctx.options.lane_max_ranks, 2 * node_cores()):
+    if ctx.size > lane_max_ranks(ctx):
         return False  # polling W - 1 channels on each of W oversubscribed ranks loses
+    if any(a is None for a in ctx.actors):
+        return False
+    return in_rank_actor(ctx)
+
+
+def lane_max_ranks(ctx: "GroupContext") -> int:
+    """The most ranks one lane takes (group option ``lane_max_ranks``; default twice the
+    node's cores)."""
+    return int(or_default(ctx.options.lane_max_ranks, 2 * node_cores()))
+
+
+def in_rank_actor(ctx: "GroupContext") -> bool:
+    """Whether this process is the actor of group ``ctx``'s rank, on the rank's node (only
+    the rank's actor can write and read its channels)."""
     me = ctx.actors[ctx.rank]
-    if me is None or any(a is None for a in ctx.actors):
+    if me is None:
         return False
     try:
         runtime = ray.get_runtime_context()
@@ -169,11 +183,12 @@ _POOL_LOCK = threading.Lock()
 _POOL: Dict[Tuple[Tuple[str, ...], int], List[Any]] = {}
 
 
-def _peer_actors(ctx: "GroupContext") -> List[Tuple[Any, str]]:
-    """Every other rank's actor and node, in rank order (a group on the lane has an actor on
-    every rank: see lane_possible)."""
+def _peer_actors(ctx: "GroupContext",
+                 readers: Optional[Sequence[int]] = None) -> List[Tuple[Any, str]]:
+    """The actor and node of every other rank (or of group ranks ``readers``), in rank order
+    (a group on the lane has an actor on every rank: see lane_possible)."""
     peers = []
-    for j in range(ctx.size):
+    for j in (range(ctx.size) if readers is None else readers):
         actor = ctx.actors[j]
         assert actor is not None, "a lane group has an actor on every rank"
         if j != ctx.rank:
@@ -181,9 +196,10 @@ def _peer_actors(ctx: "GroupContext") -> List[Tuple[Any, str]]:
     return peers
 
 
-def _pool_key(ctx: "GroupContext") -> Tuple[Tuple[str, ...], int]:
-    readers = tuple(sorted(actor._actor_id.hex() for actor, _node in _peer_actors(ctx)))
-    return readers, _buffer_bytes(ctx)
+def _pool_key(ctx: "GroupContext",
+              readers: Optional[Sequence[int]] = None) -> Tuple[Tuple[str, ...], int]:
+    ids = tuple(sorted(actor._actor_id.hex() for actor, _node in _peer_actors(ctx, readers)))
+    return ids, _buffer_bytes(ctx)
 
 
 def _buffer_bytes(ctx: "GroupContext") -> int:
@@ -193,10 +209,11 @@ def _buffer_bytes(ctx: "GroupContext") -> int:
     return lane_bytes(ctx.options) + 512 * ctx.size + 16384
 
 
-def open_channel(ctx: "GroupContext") -> Any:
-    """This rank's channel (written here, read by every peer), or ``None`` if Ray cannot
-    make one here (the group then stays off the lane on every rank)."""
-    key = _pool_key(ctx)
+def open_channel(ctx: "GroupContext", readers: Optional[Sequence[int]] = None) -> Any:
+    """This rank's channel (written here, read by every peer, or by group ranks
+    ``readers``), or ``None`` if Ray cannot make one here (the group then stays off the lane
+    on every rank)."""
+    key = _pool_key(ctx, readers)
     with _POOL_LOCK:
         free = _POOL.get(key)
         if free:
@@ -205,7 +222,7 @@ def open_channel(ctx: "GroupContext") -> Any:
         from ray.experimental.channel.shared_memory_channel import Channel
 
         me = ray.get_runtime_context().current_actor
-        return Channel(me, _peer_actors(ctx), typ=key[1])
+        return Channel(me, _peer_actors(ctx, readers), typ=key[1])
     except Exception as exc:  # noqa: BLE001 - any failure means: no lane for this group
         logger.warning("raycoll: group %r stays off the shared-memory lane: cannot open a "
                        "channel on rank %d (%s: %s)", ctx.group_name, ctx.rank,
@@ -213,9 +230,10 @@ def open_channel(ctx: "GroupContext") -> Any:
         return None
 
 
-def release_channel(ctx: "GroupContext", channel: Any) -> None:
+def release_channel(ctx: "GroupContext", channel: Any,
+                    readers: Optional[Sequence[int]] = None) -> None:
     """Give back a channel :func:`open_channel` returned (it was not used)."""
-    _give_back(_pool_key(ctx), channel)
+    _give_back(_pool_key(ctx, readers), channel)
 
 
 def _give_back(key: Tuple[Tuple[str, ...], int], channel: Any) -> None:
@@ -244,12 +262,12 @@ class LaneTransport(RoundTransport):
         super().__init__(ctx, epoch, list(peers))
         # Channels outlive groups (see _POOL): a message from an earlier group on the same
         # channels carries another epoch and is skipped.
-        self._key = _pool_key(ctx)
+        self._key = _pool_key(ctx, list(peers))
         self._out = out
         self._in = peers
         for channel in peers.values():
             channel.ensure_registered_as_reader()
-        crowded = oversubscribed(ctx.size)
+        crowded = oversubscribed(self._host_ranks())
         self._yield = float(or_default(ctx.options.lane_yield_s, YIELD_S))
         self.spin_s = 0.0 if crowded else SPIN_S
         self.yield_s = self._yield if crowded else 0.0
@@ -262,6 +280,10 @@ class LaneTransport(RoundTransport):
         self._failed_at = -SPIN_BACKOFF_MAX_CALLS
         self._fail_run = 0  # collectives in a row whose spin ran out
         self.spins_failed = 0
+
+    def _host_ranks(self) -> int:
+        """How many of the group's ranks share this rank's cores."""
+        return self.ctx.size
 
     def _spun_out(self) -> None:
         """A spin ran its full length without the peer's message. Where the scheduler put
@@ -288,11 +310,14 @@ class LaneTransport(RoundTransport):
 
     def _write(self, message: Any, spin: bool) -> bool:
         if self._framed is None or self._framed[0] is not message:
-            frame: Any = message  # a large one goes through Ray's serializer
+            frame: Any = None
             if _array_bytes(message) <= FRAME_MAX_BYTES:
                 parts = encode_round(message)
                 if sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES:
                     frame = b"".join(parts)
+            if frame is None:  # a large one goes through Ray's serializer, once: a write
+                # that must wait is tried again with it
+                frame = self._out._worker.get_serialization_context().serialize(message)
             self._framed = (message, frame)
         timeout = self._spin_timeout(spin)
         try:

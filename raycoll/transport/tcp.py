@@ -66,7 +66,7 @@ from raycoll.transport.links import (
 from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.context import GroupContext
+    from raycoll.context import Call, GroupContext
 
 __all__ = ["listen_address", "listener", "tcp_possible", "Links", "TcpTransport", "Mailbox",
            "IFNAME_ENV", "CLOSED_GRACE_S", "P2P_SPIN_S"]
@@ -94,6 +94,12 @@ class TcpTransport(RoundTransport):
         self.peak_recv_bytes = 0
         self.poll_min_s, self.poll_max_s = 0.002, 0.05
         self.failure_grace_s = CLOSED_GRACE_S
+        #: this node's lane, for the steps of a schedule inside the node
+        #: (:mod:`raycoll.transport.node_lane`), or ``None``
+        self.node_lane: Optional[RoundTransport] = None
+        #: the link class between two ranks of one node, for the cost model: ``"lane"`` once
+        #: every node with several ranks has its lane
+        self.same_node = "unix"
 
     def _out(self, dst: int) -> Out:
         out = self._outs.get(dst)
@@ -162,3 +168,15 @@ class TcpTransport(RoundTransport):
 
     def _shut(self) -> None:
         self.links.close(ABORT)  # broken: the peers must fail too
+        if self.node_lane is not None:
+            self.node_lane._shut()
+
+    def reject(self, call: "Call", message: str) -> None:
+        super().reject(call, message)
+        if self.node_lane is not None:
+            self.node_lane.reject(call, message)
+
+    def close(self) -> None:
+        super().close()
+        if self.node_lane is not None:
+            self.node_lane.close()
