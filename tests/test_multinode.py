@@ -1,4 +1,8 @@
-"""Collectives spanning two Ray nodes (``ray.cluster_utils.Cluster`` on this machine)."""
+"""Collectives spanning two Ray nodes (``ray.cluster_utils.Cluster`` on this machine): every
+collective over direct connections, a rank killed mid-stream named within seconds (on sockets
+and on a node lane), the two-level all_reduce's bytes between nodes, node lanes (3 + 1 ranks)
+with every algorithm against numpy and each rank's counts equal to the schedule's, and the
+rule that sets them up by default."""
 
 from __future__ import annotations
 

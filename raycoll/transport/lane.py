@@ -12,9 +12,10 @@ collective is one round: every rank gets every rank's contribution and computes 
 result locally (reductions in rank order, so every rank holds bitwise the same result). A
 larger one streams through several rounds (the backend cuts them: see
 raycoll.backends.cpu), reading the peers' parts in place (``views=True``) and dropping
-them before its next round. A small message (``FRAME_MAX_BYTES``) is written as one frame
-of bytes in the direct transport's framing (raycoll.transport.frames), which costs a
-fraction of Ray's serializer; a larger one through Ray's serializer, its arrays read in place.
+them before its next round. A message of up to ``FRAME_MAX_BYTES`` (192 KiB) of arrays is
+written as one frame of bytes in the direct transport's framing (raycoll.transport.frames),
+which costs a fraction of Ray's serializer; a larger one through Ray's serializer, its arrays
+read in place.
 
 Each message is ``(kind, epoch, (seq, round), fingerprint, payload)``. ``kind`` is ``"msg"``
 or, from a rank that rejected its own arguments, ``"reject"`` (its peers raise
@@ -110,11 +111,18 @@ SPIN_BACKOFF_MAX_CALLS = 4096
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
 _TIMEOUT = ray.exceptions.RayChannelTimeoutError
-#: A message of at most this many bytes is written as one frame of bytes (the direct
-#: transport's framing, raycoll.transport.frames): Ray's serializer costs several times as
-#: much per small message (benchmarks/BENCHMARKS.md). Larger ones go through Ray's
-#: serializer, whose arrays peers read in place in the writer's channel.
-FRAME_MAX_BYTES = 64 << 10
+#: A message whose arrays hold at most this many bytes is written as one frame of bytes (the
+#: direct transport's framing, raycoll.transport.frames): Ray's serializer costs 70-100 us
+#: of Python per message, several times the frame's two extra copies up to here (measured:
+#: benchmarks/BENCHMARKS.md, "Frames on the lane"; a 256 KiB broadcast is faster through
+#: Ray's serializer). Larger ones go through Ray's serializer, whose arrays peers read in
+#: place in the writer's channel.
+FRAME_MAX_BYTES = 192 << 10
+#: ... and the rest of such a message (its pickled structure) at most this many bytes: a
+#: message is framed or not from its arrays' bytes alone, so that one whose arrays are just
+#: ``FRAME_MAX_BYTES`` is not encoded, found a few bytes too large and thrown away (that
+#: cost the 64 KiB all_reduce 20-30 us: benchmarks/BENCHMARKS.md, "Frames on the lane").
+FRAME_META_MAX_BYTES = 64 << 10
 
 #: The most one rank sends in one round of a collective on a round transport (group option
 #: ``lane_bytes``). Each rank's lane channel is allocated at this size (plus room for the
@@ -313,7 +321,7 @@ class LaneTransport(RoundTransport):
             frame: Any = None
             if _array_bytes(message) <= FRAME_MAX_BYTES:
                 parts = encode_round(message)
-                if sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES:
+                if sum(p.nbytes for p in parts) <= FRAME_MAX_BYTES + FRAME_META_MAX_BYTES:
                     frame = b"".join(parts)
             if frame is None:  # a large one goes through Ray's serializer, once: a write
                 # that must wait is tried again with it
