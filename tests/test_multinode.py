@@ -191,7 +191,8 @@ def _lane_counts(rank, n):
     group = the_world().default
     w = raycoll.get_world_size()
     return {"ok": bool(np.allclose(x, np.arange(n) * (w * (w + 1) / 2))),
-            "algorithm": group.last_route.algorithm, "counters": group.counters()}
+            "algorithm": group.last_route.algorithm, "counters": group.counters(),
+            "steps": group.last_route.steps}
 
 
 def _three_and_one():
@@ -221,6 +222,7 @@ def test_node_lanes_carry_the_steps_inside_a_node_with_the_schedules_exact_count
             for rank, (g, w) in enumerate(zip(got, want)):
                 assert g["ok"] and g["algorithm"] == algo, (algo, rank, g)
                 assert g["counters"]["node_lane"] == ([0, 1, 2] if rank < 3 else []), (algo, g)
+                assert g["steps"] == ("setup",), g  # the channels, through the coordinator
                 assert g["counters"]["collectives"]["all_reduce"] == w, (algo, rank)
     finally:
         for a in actors:
@@ -274,3 +276,7 @@ def test_node_lanes_by_default_only_where_the_ranks_fit_the_cores(two_nodes):
     assert all(g["counters"]["node_lane"] == [] for g in off), off
     lanes = [] if oversubscribed(4) else [0, 1, 2]
     assert [g["counters"]["node_lane"] for g in default[:3]] == [lanes] * 3, default
+    # where no rank can have a lane (one crowded machine, or the option off), the group's
+    # first collective spends no step on setting lanes up
+    assert all(g["steps"] == (("setup",) if lanes else ()) for g in default), default
+    assert all(g["steps"] == () for g in off), off

@@ -65,6 +65,10 @@ def node_lanes_possible(ctx: "GroupContext") -> bool:
         return False
     if ctx.single_node or any(a is None for a in ctx.actors):
         return False  # (a group on one node on direct connections outnumbers a lane)
+    hosts = {a[0] if a else None for a in ctx.addresses}
+    if ctx.options.node_lanes is None and len(hosts) == 1 and None not in hosts \
+            and oversubscribed(ctx.size):
+        return False  # one crowded machine: no rank would offer a channel (wants_node_lane)
     return len(set(ctx.node_ids)) < ctx.size
 
 
