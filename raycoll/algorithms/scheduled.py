@@ -32,7 +32,7 @@ from raycoll.algorithms.schedule import ALGORITHMS, Schedule, Transfer
 from raycoll.algorithms.topology import Topology
 from raycoll.options import SCHEDULED
 from raycoll.reduce_op import ReduceOp, combine
-from raycoll.transport.lane import oversubscribed
+from raycoll.transport.lane import on_one_host, oversubscribed
 
 __all__ = ["ScheduledAlgorithms", "DIRECT"]
 
@@ -83,11 +83,8 @@ class ScheduledAlgorithms:
     def _init_scheduled(self) -> None:
         opts = self.ctx.options
         self.topology = Topology(self.ctx.node_ids, same_node="unix")
-        # Only a group on one host knows its cores alike on every rank: one Ray node, or
-        # Ray nodes that share one machine (every rank's address on the same host).
-        hosts = {a[0] if a else None for a in self.ctx.addresses}
-        one_host = self.topology.num_nodes == 1 or (len(hosts) == 1 and None not in hosts)
-        self.oversubscribed = one_host and oversubscribed(self.ctx.size)
+        # Only a group on one host knows its cores alike on every rank.
+        self.oversubscribed = on_one_host(self.ctx) and oversubscribed(self.ctx.size)
         self.cost_model = CostModel.of(opts.cost_model)
         self.forced: Dict[str, Optional[str]] = {}
         for name, collective in SCHEDULED.items():

@@ -305,11 +305,16 @@ class RoundTransport:
             raise err
         return out
 
-    def _count(self, op: str, payload: Any, got: List[Any]) -> None:
-        """Count this round's messages (to ``self._dests``, from the ranks in ``got``)."""
+    def tally(self, op: str) -> Counters:
+        """The counters of collective kind ``op`` (made on first use)."""
         tally = self.counters.get(op)
         if tally is None:
             tally = self.counters[op] = Counters()
+        return tally
+
+    def _count(self, op: str, payload: Any, got: List[Any]) -> None:
+        """Count this round's messages (to ``self._dests``, from the ranks in ``got``)."""
+        tally = self.tally(op)
         me, nodes = self.ctx.rank, self.ctx.node_ids
         for j in self._dests:
             tally.sent(j, payload_bytes(project(payload, j)), nodes[j] == nodes[me])

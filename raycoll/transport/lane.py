@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["LaneTransport", "open_channel", "release_channel", "lane_possible",
-           "oversubscribed"]
+           "oversubscribed", "on_one_host"]
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
 SPIN_S = 0.001
@@ -147,6 +147,16 @@ def oversubscribed(size: int) -> bool:
     wait (a spinning rank takes the core of the peer it waits for), and every lane round
     costs them a scheduler wake-up."""
     return size > node_cores()
+
+
+def on_one_host(ctx: "GroupContext") -> bool:
+    """Whether all of group ``ctx``'s ranks run on one machine: one Ray node, or Ray nodes
+    whose ranks' addresses are all one host. Only then does every rank know the same core
+    count (see :func:`oversubscribed`)."""
+    if ctx.single_node:
+        return True
+    hosts = {a[0] if a else None for a in ctx.addresses}
+    return len(hosts) == 1 and None not in hosts
 
 
 def lane_possible(ctx: "GroupContext") -> bool:

@@ -36,12 +36,12 @@ found in a lane round breaks the group (ranks on other nodes cannot learn of it 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence
 
 from raycoll import errors
 from raycoll.transport.counters import Counters, payload_bytes
 from raycoll.transport.lane import (LaneTransport, in_rank_actor, lane_bytes, lane_max_ranks,
-                                    oversubscribed)
+                                    on_one_host, oversubscribed)
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -49,10 +49,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NodeLane", "host_ranks", "node_lanes_possible", "node_mates", "wants_node_lane"]
 
 
-def node_mates(ctx: "GroupContext", rank: Optional[int] = None) -> List[int]:
-    """The group ranks on the node of group rank ``rank`` (this rank), itself left out."""
-    r = ctx.rank if rank is None else rank
-    return [j for j in range(ctx.size) if ctx.node_ids[j] == ctx.node_ids[r] and j != r]
+def node_mates(ctx: "GroupContext") -> List[int]:
+    """The group ranks on this rank's node, itself left out."""
+    me = ctx.rank
+    return [j for j in range(ctx.size) if ctx.node_ids[j] == ctx.node_ids[me] and j != me]
 
 
 def node_lanes_possible(ctx: "GroupContext") -> bool:
@@ -65,9 +65,7 @@ def node_lanes_possible(ctx: "GroupContext") -> bool:
         return False
     if ctx.single_node or any(a is None for a in ctx.actors):
         return False  # (a group on one node on direct connections outnumbers a lane)
-    hosts = {a[0] if a else None for a in ctx.addresses}
-    if ctx.options.node_lanes is None and len(hosts) == 1 and None not in hosts \
-            and oversubscribed(ctx.size):
+    if ctx.options.node_lanes is None and on_one_host(ctx) and oversubscribed(ctx.size):
         return False  # one crowded machine: no rank would offer a channel (wants_node_lane)
     return len(set(ctx.node_ids)) < ctx.size
 
@@ -149,9 +147,7 @@ class NodeLane(LaneTransport):
             start = sum(counts[:at])
             out[s] = arrays[start:start + counts[at]]
         del got
-        tally = self.counters.get(call.op)
-        if tally is None:
-            tally = self.counters[call.op] = Counters()
+        tally = self.tally(call.op)
         for d in dsts:
             tally.sent(d, payload_bytes(sends[d]), True)
         for s in sources:
