@@ -60,6 +60,7 @@ from raycoll.errors import (
     UnsupportedOpError,
 )
 from raycoll.gradients import GradientAverager
+from raycoll.native import native_available, native_status
 from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupMember
 from raycoll.world import group as _world_group
@@ -116,6 +117,7 @@ __all__ = [
     "send_object_list", "recv_object_list",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
+    "native_available", "native_status",
     # uneven inputs
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side

@@ -158,8 +158,7 @@ def _peer(pg: ProcessGroup, global_rank: Optional[int], group_rank: Optional[int
 
 
 def _given(value: Any) -> bool:
-    """Whether a root-only list argument was given (``None`` and ``[]`` mean not given);
-    never asks an array for its truth value."""
+    """Whether a root-only list argument was given (not ``None`` or ``[]``; no truth test)."""
     return value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0)
 
 
@@ -173,6 +172,11 @@ def _backend(pg: ProcessGroup, info: TensorInfo) -> CollectiveBackend:
 def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across all ranks, in place; every rank gets the result."""
+    if not async_op and type(tensor) is np.ndarray and type(op) is ReduceOp:  # short path
+        pg = world().default if group is None else group
+        if type(pg) is ProcessGroup and pg.fast_all_reduce(tensor, op):
+            return None
+
     def prepare(pg: ProcessGroup) -> Prepared:
         info = _tensor(tensor, "tensor", writable=True)
         rop = _reduce_op(op, info)

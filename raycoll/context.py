@@ -39,14 +39,22 @@ _LOST = (
 _SETUP_STEPS = 1000
 
 
-@dataclass(frozen=True)
 class Call:
-    """One collective as issued: its name, sequence number, fingerprint and timeout."""
+    """One collective as issued: its name, sequence number, fingerprint and timeout (not to
+    be changed once made; a plain class, not a frozen dataclass: made on every collective's
+    hot path, where a frozen dataclass costs three times as much)."""
 
-    op: str
-    seq: int
-    timeout_s: float
-    fp: Dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("op", "seq", "timeout_s", "fp")
+
+    def __init__(self, op: str, seq: int, timeout_s: float,
+                 fp: Optional[Dict[str, Any]] = None) -> None:
+        self.op = op
+        self.seq = seq
+        self.timeout_s = timeout_s
+        self.fp: Dict[str, Any] = {} if fp is None else fp
+
+    def __repr__(self) -> str:
+        return f"Call(op={self.op!r}, seq={self.seq}, timeout_s={self.timeout_s}, fp={self.fp!r})"
 
 
 @dataclass(frozen=True)
@@ -238,6 +246,21 @@ class GroupContext:
                                    if self._transports is not None else False)
         return plane
 
+    def native_lane(self, call: Call) -> Any:
+        """The group's node segment (:mod:`raycoll.transport.segment`), set up in ``call`` if
+        this is the group's first collective, or ``None`` when it has none (the same on
+        every rank)."""
+        plane = self._plane
+        if plane is None:
+            plane = self._set_up(call)
+        if plane and getattr(plane, "native", False):
+            return plane
+        return None
+
+    def note_native(self, call: Call, steps: int) -> None:
+        """``call`` takes ``steps`` steps on the node segment (:attr:`last_route`)."""
+        self._note(call, steps, None)
+
     def sparse_transport(self, call: Call) -> Any:
         """The group's round transport if it can pair ranks (direct connections: a step of
         a schedule goes only between the ranks it pairs), else ``None``; the same on every
@@ -304,11 +327,11 @@ class GroupContext:
         :mod:`raycoll.transport.selection`)."""
         return self._transports.planned() if self._transports is not None else "store"
 
-    def setup_exchange(self, call: Call, payload: Any) -> Any:
-        """Step 0 of ``call`` through the coordinator, spent setting up the round transport
-        (``payload`` per destination, as :meth:`exchange` routes it)."""
+    def setup_exchange(self, call: Call, payload: Any, step: int = 0) -> Any:
+        """Step ``step`` (0 or 1) of ``call`` through the coordinator, spent setting up the
+        round transport (``payload`` per destination, as :meth:`exchange` routes it)."""
         self._note(call, 0, "setup")
-        return self._exchange(call, 0, payload)
+        return self._exchange(call, step, payload)
 
     def skip_setup_step(self, call: Call) -> None:
         """The round transport stayed off after step 0 of ``call`` set it up: the call's own

@@ -64,6 +64,12 @@ class GroupOptions:
       ``True`` where a node holds 2 to ``lane_max_ranks`` of its ranks, ``False`` never;
       ``None``: where those ranks also fit the cores of their machine (crowded ranks wait on
       a lane by polling, on a socket in the kernel: measured slower).
+    - ``node_segment_bytes``: int >= 8192, each rank's share of its node's shared-memory
+      segment where the native core runs the lane (:mod:`raycoll.transport.segment`;
+      ``None``: 4 MiB); a /dev/shm too small for it gets a smaller one, with a warning;
+    - ``segment_spin_s``: seconds >= 0 a wait on the node segment spins before it sleeps in
+      the kernel, where the node's ranks fit its cores (``None``: 200 us; never where they
+      outnumber them).
 
     The CPU algorithms (:mod:`raycoll.backends.cpu`), mostly to force a choice when
     measuring:
@@ -102,6 +108,8 @@ class GroupOptions:
     lane_max_ranks: Optional[int] = None
     lane_yield_s: Optional[float] = None
     node_lanes: Optional[bool] = None
+    node_segment_bytes: Optional[int] = None
+    segment_spin_s: Optional[float] = None
     stream: bool = True
     stream_bytes: Optional[int] = None
     inline_bytes: Optional[int] = None
@@ -210,6 +218,8 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "lane_max_ranks": _count(0),
     "lane_yield_s": _seconds(),
     "node_lanes": _flag(optional=True),
+    "node_segment_bytes": _count(8192),
+    "segment_spin_s": _seconds(),
     "stream": _flag(optional=False),
     "stream_bytes": _count(1),
     "inline_bytes": _count(0),

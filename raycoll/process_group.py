@@ -302,13 +302,40 @@ class ProcessGroup:
         """``call`` with its fingerprint (compared across ranks) set to ``fp``."""
         return Call(call.op, call.seq, call.timeout_s, dict(fp, op=call.op))
 
+    def fast_all_reduce(self, arr: Any, op: Any) -> bool:
+        """``raycoll.all_reduce``'s short path: a synchronous all_reduce of a plain numpy
+        array on a group whose node segment is set up, with nothing queued before it, run
+        straight on the segment (a few microseconds of Python, not tens). ``False`` (nothing
+        done, no sequence number taken) where any of that does not hold: the caller takes
+        the full path, which checks the arguments and raises their errors."""
+        plane = self.context._plane
+        if (not getattr(plane, "native", False) or self._outstanding or self._debug
+                or self._broken is not None or self._destroyed is not None):
+            return False
+        flags = arr.flags
+        if not (flags.writeable and flags.c_contiguous):
+            return False
+        entry = plane.fast_plan(arr, op)
+        if entry is False:
+            return False
+        try:
+            plane.run_fast(entry, self.take_seq(), self._timeout_s, arr)
+            return True
+        except (errors.GroupBrokenError, errors.DistTimeoutError) as exc:
+            if self._broken is None:
+                self._broken = exc
+            raise
+
     def reject(self, call: Call, exc: BaseException) -> None:
         """Tell the peers that this rank rejected its arguments for ``call`` (no wait)."""
         if self.size() > 1:
             self._root.client.submit_reject(self._name, self._global_ranks, call.seq,
                                             self._rank, call.op, str(exc))
-            if not self.outstanding():  # else an earlier call's transport message comes first
-                self.context.transport_reject(call, str(exc))
+            message = str(exc)
+            if not self.outstanding():
+                self.context.transport_reject(call, message)
+            else:  # after the calls queued before it (a node segment takes it as a step)
+                self._submit(call, lambda: self.context.transport_reject(call, message))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:

@@ -108,13 +108,15 @@ def _sockets_after(rank: int, n: int) -> Dict[str, Any]:
 
 @pytest.mark.timeout(420)
 def test_sixteen_ranks_on_one_node_go_direct_and_connect_to_few_peers(ray_local):
-    """More ranks than the lane takes on this node (twice its cores): direct connections,
-    not the coordinator, with the cost model's algorithms: a rank holds at most
-    4 log2(W) = 16 collective sockets (the full mesh would be 2 (W - 1) = 30)."""
+    """16 ranks on one node on direct connections (``transport="tcp"``: with the native core
+    they would take the node segment; without it, more than the lane takes here, twice the
+    cores, take direct connections too), with the cost model's algorithms: a rank holds at
+    most 4 log2(W) = 16 collective sockets (the full mesh would be 2 (W - 1) = 30)."""
     world = 16
     with RankPool(max_world_size=world) as big:
         for n in (1, 1 << 18):
-            for rank, got in enumerate(big.run(_sockets_after, world, n, timeout=120)):
+            for rank, got in enumerate(big.run(_sockets_after, world, n, timeout=120,
+                                               options={"transport": "tcp"})):
                 assert got["transport"] == "tcp", rank
                 assert 0 < got["counters"]["sockets"] <= 4 * int(math.log2(world)), (n, rank, got)
                 assert got["counters"]["collectives"]["all_reduce"]["peers"] < world - 1

@@ -25,6 +25,7 @@ from raycoll.algorithms.flat import array_meta, chunk_bounds, copy_into, flat_in
 from raycoll.algorithms.direct import DirectAlgorithms
 from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
+from raycoll.backends.segment_paths import SegmentPaths
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator.logic import meta_mismatch
 from raycoll.options import or_default
@@ -67,7 +68,8 @@ TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
 
-class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, CollectiveBackend):
+class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, StoreSteps,
+                     CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
     coordinator and the Ray object store (see the module docstring)."""
 
@@ -152,6 +154,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
         if self.ctx.size == 1:
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
+        if self._seg_all_reduce(arr, op, call):
+            return
         with flat_out(arr) as flat:
             if self._scheduled("all_reduce", flat, op, call):
                 return
@@ -180,6 +184,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
+        if size > 1 and self._seg_all_reduce(arr, op, call, root=dst):
+            return
         if me != dst:  # a schedule reduces in the buffer: not in the caller's
             if self._schedules("reduce", arr.nbytes, arr.itemsize, call, root=dst):
                 self._scheduled("reduce", np.array(flat_in(arr)), op, call, root=dst)
@@ -225,12 +231,16 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None:
         out = host_view(output)
         pieces = [flat_in(host_view(t)) for t in inputs]
+        if self._seg_reduce_scatter(np.concatenate(pieces), out, op, call):
+            return
         with flat_out(out) as flat:
             self._reduce_scatter(pieces, flat, op, call)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None:
         src = flat_in(host_view(tensor))
         out = host_view(output)
+        if self._seg_reduce_scatter(src, out, op, call):
+            return
         n = out.size
         pieces = [src[j * n:(j + 1) * n] for j in range(self.ctx.size)]
         with flat_out(out) as flat:
@@ -255,6 +265,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
+        if size > 1 and self._seg_broadcast(arr, src, call):
+            return
         with flat_out(arr) as flat:
             if self._scheduled("broadcast", flat, None, call, root=src):
                 return
@@ -285,6 +297,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> None:
         mine = flat_in(host_view(tensor))
         n = mine.size
+        if self.ctx.size > 1 and self._seg_gather_into(mine, host_view(output), call):
+            return
         with flat_out(host_view(output)) as flat:
             outs = [flat[j * n:(j + 1) * n] for j in range(self.ctx.size)]
             self._gather(mine, outs, call)
@@ -297,6 +311,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def _gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
+        if self.ctx.size > 1 and self._seg_gather(mine, outs, call, root):
+            return
         if root is None and len(outs) == self.ctx.size \
                 and all(o.size == mine.size and o.dtype == mine.dtype for o in outs) \
                 and self._schedules("all_gather", mine.nbytes * len(outs), mine.itemsize, call):
@@ -317,6 +333,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None:
         out = host_view(output)
         me, size = self.ctx.rank, self.ctx.size
+        if size > 1 and self._seg_scatter(out, inputs, src, call, host_view):
+            return
         if self._streams(out.nbytes * (size - 1)):
             ins = [flat_in(host_view(t)) for t in inputs or []] if me == src else []
             with flat_out(out) as flat:
@@ -365,6 +383,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
                     recv_meta: List[Any], call: Call) -> None:
         me, size = self.ctx.rank, self.ctx.size
         step = 0
+        if size > 1 and self._seg_all_to_all(outs, ins, call):
+            return
         if size > 1:
             # Per-peer sizes may differ between ranks, so no rank can tell alone that every
             # rank's part is small: each sends its pieces if they fit the lane, or says it does
@@ -406,6 +426,8 @@ class ObjstoreBackend(ScheduledAlgorithms, DirectAlgorithms, StoreSteps, Collect
     def barrier(self, call: Call) -> None:
         # monitored_barrier stays on the coordinator: it reports who is missing, and does not
         # break the group when it times out
+        if call.op == "barrier" and self.ctx.size > 1 and self._seg_barrier(call):
+            return
         if call.op == "barrier" and (
                 self._scheduled("all_reduce", np.zeros(1, np.uint8), ReduceOp.SUM, call)
                 or self.ctx.gather_round(call, None) is not None):

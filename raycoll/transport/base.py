@@ -49,7 +49,7 @@ from raycoll.transport.counters import Counters, payload_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["PerPeer", "ToEach", "RoundTransport", "Message", "project", "own", "overlapping", "may_spin"]
+__all__ = ["PerPeer", "ToEach", "RoundTransport", "SpinBackoff", "Message", "project", "own", "overlapping", "may_spin"]
 
 #: ``(kind, epoch, (seq, round), fingerprint, payload)``; kind ``"msg"`` or ``"reject"``.
 Message = Tuple[str, str, Tuple[int, int], Any, Any]
@@ -88,6 +88,58 @@ def may_spin() -> bool:
     waits for the operation by now."""
     waited: Optional[threading.Event] = getattr(_OVERLAP, "waited", None)
     return waited is None or waited.is_set()
+
+
+#: Spins that run their full length without the peer in ``SPIN_FAILS`` collectives in a row or
+#: every other one (the scheduler may have put the peer on this rank's core, where spinning only delays it)
+#: stop spinning for ``SPIN_BACKOFF_CALLS`` collectives, doubling while spins keep failing,
+#: up to ``SPIN_BACKOFF_MAX_CALLS``.
+SPIN_FAILS = 3
+SPIN_BACKOFF_CALLS = 16
+SPIN_BACKOFF_MAX_CALLS = 4096
+
+
+class SpinBackoff:
+    """Whether a transport's waits spin, backing off where spins run out.
+
+    Where the scheduler put the peer on this rank's core, spinning only delays it by the
+    whole spin each collective: once spins ran out in ``SPIN_FAILS`` collectives in a row, or
+    every other one (two ranks on one core fail in turns; one late peer is not that), waits stop spinning for the next ``SPIN_BACKOFF_CALLS``
+    collectives, the back-off doubling while spins keep failing (starting over once spins
+    held for ``SPIN_BACKOFF_MAX_CALLS``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        #: whether spinning is allowed at all (the node's ranks fit its cores)
+        self.enabled = enabled
+        #: whether waits spin now
+        self.on = enabled
+        #: spins that ran their whole length
+        self.failed = 0
+        self._resume_at = 0  # the collective at which spinning resumes
+        self._backoff = SPIN_BACKOFF_CALLS
+        self._failed_at = -SPIN_BACKOFF_MAX_CALLS
+        self._run = 0  # collectives in a row whose spin ran out
+
+    def spun_out(self, calls: int) -> None:
+        """A spin of collective number ``calls`` ran its whole length."""
+        self.failed += 1
+        if calls == self._failed_at:
+            return  # this collective's spin ran out already
+        # in a row, or every other one (two ranks on one core fail in turns)
+        self._run = self._run + 1 if calls - self._failed_at <= 2 else 1
+        if calls - self._failed_at > SPIN_BACKOFF_MAX_CALLS:
+            self._backoff = SPIN_BACKOFF_CALLS  # spins held for long: start over
+        self._failed_at = calls
+        if self._run >= SPIN_FAILS:
+            self._resume_at = calls + self._backoff
+            self._backoff = min(self._backoff * 2, SPIN_BACKOFF_MAX_CALLS)
+            self.on = False
+
+    def spinning(self, calls: int) -> bool:
+        """Whether collective number ``calls`` spins (spinning resumes after a back-off)."""
+        if not self.on and self.enabled and calls >= self._resume_at:
+            self.on = True
+        return self.on
 
 
 class PerPeer(list):

@@ -83,7 +83,7 @@ import numpy as np
 import ray
 
 from raycoll.options import GroupOptions, or_default
-from raycoll.transport.base import RoundTransport
+from raycoll.transport.base import RoundTransport, SpinBackoff
 from raycoll.transport.frames import decode_frame, encode_round
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,13 +100,6 @@ SPIN_S = 0.001
 #: yielding the core to any peer that can run (the one still working on its part), then
 #: sleep (group option ``lane_yield_s``).
 YIELD_S = 0.002
-#: Spins that run their full length without the peer's message in ``SPIN_FAILS`` collectives
-#: in a row (the scheduler may have put the peer on this rank's core, where spinning only
-#: delays it) stop spinning for ``SPIN_BACKOFF_CALLS`` collectives, doubling while spins keep
-#: failing, up to ``SPIN_BACKOFF_MAX_CALLS``.
-SPIN_FAILS = 3
-SPIN_BACKOFF_CALLS = 16
-SPIN_BACKOFF_MAX_CALLS = 4096
 #: The polling sleep doubles from ``POLL_MIN_S`` up to ``POLL_MAX_S``.
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 500e-6
@@ -291,38 +284,25 @@ class LaneTransport(RoundTransport):
         self.yield_s = self._yield if crowded else 0.0
         self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S
         self._framed: Optional[Tuple[Any, Any]] = None  # (message, what is written for it)
-        # Spinning backs off when a spin runs its full length (see ``_spun_out``).
-        self._spins = not crowded
-        self._resume_at = 0  # the collective (``calls``) at which spinning resumes
-        self._backoff = SPIN_BACKOFF_CALLS
-        self._failed_at = -SPIN_BACKOFF_MAX_CALLS
-        self._fail_run = 0  # collectives in a row whose spin ran out
-        self.spins_failed = 0
+        # Spinning backs off when a spin runs its full length (see ``SpinBackoff``).
+        self._backoff = SpinBackoff(not crowded)
+
+    @property
+    def spins_failed(self) -> int:
+        """Spins that ran their whole length without the peer's message."""
+        return self._backoff.failed
 
     def _host_ranks(self) -> int:
         """How many of the group's ranks share this rank's cores."""
         return self.ctx.size
 
     def _spun_out(self) -> None:
-        """A spin ran its full length without the peer's message. Where the scheduler put
-        the peer on this rank's core, spinning only delays it by the whole spin each round:
-        once spins ran out in ``SPIN_FAILS`` collectives in a row (one late peer is not that),
-        wait yielding the core instead (as a crowded node does) for the next ``_backoff``
-        collectives, the back-off doubling while spins keep failing."""
-        self.spins_failed += 1
-        if self.calls == self._failed_at:
-            return  # this collective's spin ran out already
-        self._fail_run = self._fail_run + 1 if self.calls == self._failed_at + 1 else 1
-        if self.calls - self._failed_at > SPIN_BACKOFF_MAX_CALLS:
-            self._backoff = SPIN_BACKOFF_CALLS  # spins held for long: start over
-        self._failed_at = self.calls
-        if self._fail_run >= SPIN_FAILS:
-            self._resume_at = self.calls + self._backoff
-            self._backoff = min(self._backoff * 2, SPIN_BACKOFF_MAX_CALLS)
+        self._backoff.spun_out(self.calls)
+        if not self._backoff.on:
             self.spin_s, self.yield_s = 0.0, self._yield
 
     def _spin_timeout(self, spin: bool) -> float:
-        if self._spins and not self.spin_s and self.calls >= self._resume_at:
+        if not self.spin_s and self._backoff.spinning(self.calls):
             self.spin_s, self.yield_s = SPIN_S, 0.0
         return self.spin_s if spin else 0.0
 

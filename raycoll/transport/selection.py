@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from raycoll.transport import lane, node_lane
+from raycoll.transport import lane, node_lane, segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
                                    tcp_possible)
@@ -52,7 +52,8 @@ class GroupTransports:
         up: then every rank goes to the store together.)"""
         if self._planned is None:  # what decides it does not change: once per group
             ctx = self.ctx
-            if ctx.transport in ("auto", "lane") and lane.lane_possible(ctx):
+            if ctx.transport in ("auto", "lane") and (segment.segment_possible(ctx)
+                                                     or lane.lane_possible(ctx)):
                 self._planned = "lane"
             elif self.links is not None and ctx.transport in ("tcp", "auto"):
                 self._planned = "tcp"  # across nodes, or too many ranks on one node for the lane
@@ -105,6 +106,12 @@ class GroupTransports:
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
         ctx = self.ctx
+        if segment.segment_possible(ctx):  # the native core: the node segment
+            seg = segment.set_up_segment(ctx, call)
+            if seg is not None:
+                return seg
+            ctx.skip_setup_step(call)
+            return TcpTransport(ctx, self.links) if self.links is not None else False
         mine = lane.open_channel(ctx)
         epoch = uuid.uuid4().hex
         try:

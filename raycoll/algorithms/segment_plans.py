@@ -1,0 +1,282 @@
+"""Plans for the node segment: each collective as the steps the native executor runs.
+
+The node segment (``raycoll/native/segment.h``, run by :mod:`raycoll.transport.segment`) gives
+every local rank a slot of two halves; a *step* is: write into one's own half, publish, wait
+for every rank, read the peers' halves. A plan is the list of a rank's operations, 8 int64
+words each (``kind, a, a_off, n, b, b_off, flags, 0``):
+
+- ``WRITE a a_off n -> b_off``: this rank's buffer ``a`` into its own half of the coming step;
+- ``SYNC``: publish the step and wait for every rank (``flags``: ``STEP_FIRST`` on a call's
+  first step, where the ranks' fingerprints are compared before anything is read);
+- ``COPY rank b's half [b_off, +n) -> a a_off`` (``a`` may be ``NEXT``: this rank's half of
+  the next step);
+- ``REDUCE every rank's half [b_off, +n) -> a a_off``, in rank order (``FINAL``: then AVG's
+  division or PREMUL_SUM's factor);
+- ``LOCAL b b_off -> a a_off`` (a copy between this rank's buffers), ``FINAL a a_off n``.
+
+Buffer ids are per collective (documented on each function). Small collectives are one step;
+larger ones stream through steps of at most a half each, the reductions as a reduce-scatter
+into the next half and an all-gather out of it in the step after (one copy in, each byte
+reduced once, one copy out), so that a 64 MiB all_reduce costs each rank about what a memory
+copy of it does. Plans are pure functions of their arguments (cached): every rank computes
+its own from what all ranks agree on, so their steps line up.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List, NamedTuple, Sequence, Tuple
+
+import numpy as np
+
+from raycoll.algorithms.schedule import blocks
+
+__all__ = ["Plan", "WRITE", "SYNC", "COPY", "REDUCE", "LOCAL", "FINAL", "NEXT", "FIRST", "FINISH",
+           "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "scatter",
+           "barrier", "exchange", "A2A_META_ALIGN", "all_to_all_first", "all_to_all_rest",
+           "describe"]
+
+WRITE, SYNC, COPY, REDUCE, LOCAL, FINAL = 1, 2, 3, 4, 5, 6
+#: the buffer id of this rank's own half of the next step
+NEXT = -2
+#: SYNC's flag: a call's first step (fingerprints compared)
+FIRST = 1
+#: REDUCE's flag: apply the op's final step to the result
+FINISH = 1
+#: Slot offsets are kept on cache lines.
+ALIGN = 64
+
+Op = Tuple[int, int, int, int, int, int, int, int]
+
+
+def _down(n: int, to: int) -> int:
+    return n // to * to
+
+
+class Plan(NamedTuple):
+    """A rank's operations (``ops``: n x 8 int64, read-only) and how many steps they take."""
+
+    ops: np.ndarray
+    steps: int
+
+
+def _plan(ops: Sequence[Op]) -> Plan:
+    out = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    out.setflags(write=False)
+    return Plan(out, int((out[:, 0] == SYNC).sum()))
+
+
+def write(buf: int, off: int, n: int, slot_off: int) -> Op:
+    return (WRITE, buf, off, n, 0, slot_off, 0, 0)
+
+
+def sync(first: bool = False) -> Op:
+    return (SYNC, 0, 0, 0, 0, 0, FIRST if first else 0, 0)
+
+
+def copy(dst: int, off: int, n: int, rank: int, slot_off: int) -> Op:
+    return (COPY, dst, off, n, rank, slot_off, 0, 0)
+
+
+def reduce_op(dst: int, off: int, n: int, slot_off: int, finish: bool) -> Op:
+    return (REDUCE, dst, off, n, 0, slot_off, FINISH if finish else 0, 0)
+
+
+def local(dst: int, off: int, n: int, src: int, src_off: int) -> Op:
+    return (LOCAL, dst, off, n, src, src_off, 0, 0)
+
+
+def describe(plan: Plan) -> List[str]:
+    """A plan in words, one operation a line (for tests and debugging)."""
+    names = {WRITE: "WRITE", SYNC: "SYNC", COPY: "COPY", REDUCE: "REDUCE", LOCAL: "LOCAL",
+             FINAL: "FINAL"}
+    return [f"{names.get(int(o[0]), o[0])} " + " ".join(str(int(v)) for v in o[1:7])
+            for o in plan.ops]
+
+
+# ---------------------------------------------------------------------- reductions
+@lru_cache(maxsize=256)
+def all_reduce(count: int, itemsize: int, nranks: int, me: int, half: int,
+               one_step_bytes: int, root: int = -1) -> Plan:
+    """all_reduce of ``count`` elements (buffer 0, in place); with ``root >= 0``, reduce:
+    only ``root`` writes the result (the others' buffers are left as they were).
+
+    Up to ``one_step_bytes`` (and a half): one step, every rank reduces every rank's buffer.
+    Larger: chunks of half a half, each reduce-scattered into the next half (rank r reduces
+    the r-th part of the chunk) and gathered out of it in the next step."""
+    nbytes = count * itemsize
+    mine = root < 0 or root == me
+    if nbytes <= min(one_step_bytes, half):
+        ops: List[Op] = [write(0, 0, nbytes, 0), sync(first=True)]
+        if mine:
+            ops.append(reduce_op(0, 0, nbytes, 0, finish=True))
+        return _plan(ops)
+    chunk = max(1, _down(half // 2, ALIGN) // itemsize)
+    area = _down(half // 2, ALIGN)  # where a rank's reduced parts go in its next half
+    ops = []
+    previous: List[Tuple[int, int]] = []
+    lo_prev = 0
+    for k, lo in enumerate(range(0, count, chunk)):
+        hi = min(lo + chunk, count)
+        ops.append(write(0, lo * itemsize, (hi - lo) * itemsize, 0))
+        ops.append(sync(first=k == 0))
+        if mine:
+            ops += _gather_parts(previous, lo_prev, itemsize, area)
+        parts = blocks(0, hi - lo, nranks)
+        a, b = parts[me]
+        if b > a:
+            ops.append(reduce_op(NEXT, area + a * itemsize, (b - a) * itemsize, a * itemsize,
+                                 finish=True))
+        previous, lo_prev = parts, lo
+    ops.append(sync())
+    if mine:
+        ops += _gather_parts(previous, lo_prev, itemsize, area)
+    return _plan(ops)
+
+
+def _gather_parts(parts: Sequence[Tuple[int, int]], lo: int, itemsize: int,
+                  area: int) -> List[Op]:
+    """Copy every rank's reduced part of a chunk (at ``area`` in its half) into buffer 0."""
+    return [copy(0, (lo + a) * itemsize, (b - a) * itemsize, r, area + a * itemsize)
+            for r, (a, b) in enumerate(parts) if b > a]
+
+
+def reduce(count: int, itemsize: int, nranks: int, me: int, half: int, one_step_bytes: int,
+           root: int) -> Plan:
+    """reduce into ``root``'s buffer 0 (see :func:`all_reduce`)."""
+    return all_reduce(count, itemsize, nranks, me, half, one_step_bytes, root)
+
+
+@lru_cache(maxsize=256)
+def reduce_scatter(count: int, itemsize: int, nranks: int, me: int, half: int) -> Plan:
+    """reduce_scatter: buffer 0 holds ``nranks`` pieces of ``count`` elements (piece j for
+    rank j), buffer 1 this rank's result (``count`` elements). Each step carries a chunk of
+    every piece (in rank order in the half); rank r reduces piece r's chunk."""
+    per = max(1, (_down(half // nranks, ALIGN) or half // nranks) // itemsize)
+    chunk = min(per, max(count, 1))
+    stride = chunk * itemsize
+    ops: List[Op] = []
+    for k, lo in enumerate(range(0, max(count, 1), chunk)):
+        hi = min(lo + chunk, count)
+        n = (hi - lo) * itemsize
+        for j in range(nranks):
+            if n:
+                ops.append(write(0, (j * count + lo) * itemsize, n, j * stride))
+        ops.append(sync(first=k == 0))
+        if n:
+            ops.append(reduce_op(1, lo * itemsize, n, me * stride, finish=True))
+    return _plan(ops)
+
+
+# ---------------------------------------------------------------------- data movement
+@lru_cache(maxsize=256)
+def broadcast(nbytes: int, nranks: int, me: int, half: int, root: int) -> Plan:
+    """broadcast of buffer 0 (``nbytes``) from ``root``, a half a step."""
+    step = _down(half, ALIGN)
+    ops: List[Op] = []
+    for k, lo in enumerate(range(0, max(nbytes, 1), step)):
+        n = min(step, nbytes - lo)
+        if me == root and n:
+            ops.append(write(0, lo, n, 0))
+        ops.append(sync(first=k == 0))
+        if me != root and n:
+            ops.append(copy(0, lo, n, root, 0))
+    return _plan(ops)
+
+
+@lru_cache(maxsize=256)
+def all_gather(nbytes: int, nranks: int, me: int, half: int, root: int = -1) -> Plan:
+    """all_gather: buffer 0 this rank's input (``nbytes``), buffer 1 the output (``nranks``
+    pieces); with ``root >= 0``, gather: only ``root`` has an output."""
+    step = _down(half, ALIGN)
+    mine = root < 0 or root == me
+    ops: List[Op] = [local(1, me * nbytes, nbytes, 0, 0)] if mine and nbytes else []
+    for k, lo in enumerate(range(0, max(nbytes, 1), step)):
+        n = min(step, nbytes - lo)
+        if n:
+            ops.append(write(0, lo, n, 0))
+        ops.append(sync(first=k == 0))
+        if mine and n:
+            ops += [copy(1, r * nbytes + lo, n, r, 0) for r in range(nranks) if r != me]
+    return _plan(ops)
+
+
+@lru_cache(maxsize=256)
+def scatter(nbytes: int, nranks: int, me: int, half: int, root: int) -> Plan:
+    """scatter: buffer 0 the root's ``nranks`` pieces of ``nbytes`` (any buffer elsewhere),
+    buffer 1 this rank's output."""
+    per = _down(half // nranks, ALIGN) or max(1, half // nranks)
+    chunk = min(per, max(nbytes, 1))
+    ops: List[Op] = [local(1, 0, nbytes, 0, root * nbytes)] if me == root and nbytes else []
+    for k, lo in enumerate(range(0, max(nbytes, 1), chunk)):
+        n = min(chunk, nbytes - lo)
+        if me == root and n:
+            ops += [write(0, j * nbytes + lo, n, j * chunk) for j in range(nranks) if j != me]
+        ops.append(sync(first=k == 0))
+        if me != root and n:
+            ops.append(copy(1, lo, n, root, me * chunk))
+    return _plan(ops)
+
+
+@lru_cache(maxsize=16)
+def barrier() -> Plan:
+    """A step with no data."""
+    return _plan([sync(first=True)])
+
+
+def exchange(nbytes: int) -> Plan:
+    """One step: buffer 0 (``nbytes``) into the own half at 0 (Python reads the peers')."""
+    return _plan([write(0, 0, nbytes, 0), sync(first=True)] if nbytes else [sync(first=True)])
+
+
+# ---------------------------------------------------------------------- all_to_all
+#: all_to_all's first step carries each rank's sizes (what it sends each rank, what it
+#: expects from each) before the data: ``2 * nranks`` int64, this many bytes rounded up.
+A2A_META_ALIGN = ALIGN
+
+
+def _a2a_layout(nranks: int, half: int) -> Tuple[int, int]:
+    """(where the data starts in a half, bytes a destination gets a step)."""
+    meta = -(-2 * nranks * 8 // A2A_META_ALIGN) * A2A_META_ALIGN
+    return meta, max(0, _down((half - meta) // nranks, ALIGN))
+
+
+def all_to_all_first(sends: Tuple[Tuple[int, int], ...], nranks: int, me: int,
+                     half: int) -> Plan:
+    """all_to_all's first step: buffer 0 the sizes (``2 * nranks`` int64), buffer 1 the
+    input; ``sends[j]`` is (offset, bytes) of the piece for rank j in buffer 1. Writes the
+    sizes and the first part of every piece for another rank, then syncs."""
+    meta, region = _a2a_layout(nranks, half)
+    ops: List[Op] = [write(0, 0, 2 * nranks * 8, 0)]
+    for j, (off, n) in enumerate(sends):
+        if j != me and n and region:
+            ops.append(write(1, off, min(n, region), meta + j * region))
+    ops.append(sync(first=True))
+    return _plan(ops)
+
+
+def all_to_all_rest(sizes: np.ndarray, sends: Tuple[Tuple[int, int], ...],
+                    recvs: Tuple[Tuple[int, int], ...], nranks: int, me: int,
+                    half: int) -> Plan:
+    """The rest of an all_to_all once every rank's sizes are known (``sizes[s, j]``: bytes
+    rank s sends rank j): copy what came in the first step, then stream the rest, a region a
+    destination a step. Buffer 1 the input, buffer 2 the output (``recvs[s]``: offset and
+    bytes of the piece from rank s); this rank's own piece is copied locally."""
+    meta, region = _a2a_layout(nranks, half)
+    longest = int(max((sizes[s, j] for s in range(nranks) for j in range(nranks) if s != j),
+                      default=0))
+    ops: List[Op] = []
+    if recvs[me][1]:
+        ops.append(local(2, recvs[me][0], recvs[me][1], 1, sends[me][0]))
+    steps = -(-longest // region) if region else 0
+    for k in range(steps):
+        lo = k * region
+        if k:
+            for j, (off, n) in enumerate(sends):
+                if j != me and n > lo:
+                    ops.append(write(1, off + lo, min(region, n - lo), meta + j * region))
+            ops.append(sync())
+        for s, (off, n) in enumerate(recvs):
+            if s != me and n > lo:
+                ops.append(copy(2, off + lo, min(region, n - lo), s, meta + me * region))
+    return _plan(ops)

@@ -1,0 +1,121 @@
+"""The cpu backend's collectives on a node segment: every rank on one node, run natively
+(:mod:`raycoll.transport.segment`, plans in :mod:`raycoll.algorithms.segment_plans`).
+
+Each method returns ``False`` (nothing done) when the group has no node segment (the same on
+every rank: the group's first collective decides); the backend then takes its other paths.
+They take the user's arrays as they come (numpy views of torch tensors too) and hand the
+core flat, contiguous buffers: a non-contiguous output goes through a temporary, a list of
+outputs through one contiguous buffer (then copied to each).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from raycoll.algorithms.flat import array_meta, copy_into, flat_in, flat_out
+from raycoll.context import Call, GroupContext
+from raycoll.reduce_op import ReduceOp
+
+__all__ = ["SegmentPaths"]
+
+
+class SegmentPaths:
+    """The node-segment paths of :class:`~raycoll.backends.cpu.ObjstoreBackend` (a base class
+    of it: they read its group context)."""
+
+    ctx: GroupContext
+    stream: bool
+    round_bytes: int
+    reduce_round_bytes: int
+
+    def _segment(self, call: Call, nbytes: int = 0, limit: int = 0) -> Any:
+        """The group's node segment (set up in ``call`` if this is its first collective), or
+        ``None``: where it has none, and, with the option ``stream=False`` (large collectives
+        through the object store), for a collective whose ``nbytes`` a rank sends pass
+        ``limit`` (the same on every rank)."""
+        if not self.stream and nbytes > limit:
+            return None
+        return self.ctx.native_lane(call)
+
+    def _seg_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call,
+                        root: int = -1) -> bool:
+        lane = self._segment(call, arr.nbytes, self.reduce_round_bytes)
+        if lane is None:
+            return False
+        with flat_out(arr) as flat:
+            lane.run_all_reduce(call, flat, op, root)
+        return True
+
+    def _seg_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
+                            call: Call) -> bool:
+        lane = self._segment(call, out.nbytes * (self.ctx.size - 1), self.round_bytes)
+        if lane is None:
+            return False
+        with flat_out(out) as flat:
+            lane.run_reduce_scatter(call, whole, flat, op)
+        return True
+
+    def _seg_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
+        lane = self._segment(call, arr.nbytes, self.round_bytes)
+        if lane is None:
+            return False
+        with flat_out(arr) as flat:
+            lane.run_broadcast(call, flat, src)
+        return True
+
+    def _seg_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
+                    root: Optional[int]) -> bool:
+        """all_gather (``root=None``) or gather of ``mine`` into the list ``outs``."""
+        lane = self._segment(call, mine.nbytes, self.round_bytes)
+        if lane is None:
+            return False
+        src = flat_in(mine)
+        me, size = self.ctx.rank, self.ctx.size
+        if root is not None and me != root:
+            lane.run_all_gather(call, src, np.empty(0, dtype=src.dtype), root)
+            return True
+        whole = np.empty(src.size * size, dtype=src.dtype)
+        lane.run_all_gather(call, src, whole, -1 if root is None else root)
+        for j, o in enumerate(outs):
+            copy_into(o, [whole[j * src.size:(j + 1) * src.size]])
+        return True
+
+    def _seg_gather_into(self, mine: np.ndarray, output: np.ndarray, call: Call) -> bool:
+        lane = self._segment(call, mine.nbytes, self.round_bytes)
+        if lane is None:
+            return False
+        with flat_out(output) as flat:
+            lane.run_all_gather(call, flat_in(mine), flat, -1)
+        return True
+
+    def _seg_scatter(self, out: np.ndarray, inputs: Optional[List[Any]], src: int,
+                     call: Call, view: Any) -> bool:
+        lane = self._segment(call, out.nbytes * (self.ctx.size - 1), self.round_bytes)
+        if lane is None:
+            return False
+        whole = None
+        if self.ctx.rank == src:
+            whole = np.concatenate([flat_in(view(t)) for t in inputs or []])
+        with flat_out(out) as flat:
+            lane.run_scatter(call, whole, flat, src)
+        return True
+
+    def _seg_all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], call: Call) -> bool:
+        lane = self._segment(call)
+        if lane is None:
+            return False
+        with ExitStack() as stack:
+            flats = [stack.enter_context(flat_out(o)) for o in outs]
+            lane.run_all_to_all(call, [flat_in(a) for a in ins], flats,
+                            [array_meta(a) for a in ins], [array_meta(o) for o in outs])
+        return True
+
+    def _seg_barrier(self, call: Call) -> bool:
+        lane = self._segment(call)
+        if lane is None:
+            return False
+        lane.run_barrier(call)
+        return True

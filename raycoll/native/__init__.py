@@ -1,0 +1,86 @@
+"""raycoll's native core: the compiled executor of the CPU data plane.
+
+Python plans, native code moves bytes. :mod:`raycoll.native._core` (C, built by
+``pip install -e .`` with the platform's C compiler: ``setup.py``) holds
+
+- the node segment (``segment.h`` states its shared-memory layout and protocol; ``segment.c``
+  creates, maps, publishes, waits and runs a plan's operations with the GIL released);
+- the reductions (``reduce.c``): every dtype and ``ReduceOp`` raycoll has, with numpy's
+  semantics;
+- the binding (``module.c``), which only parses arguments and takes buffers.
+
+Where the extension is absent (no compiler at install time) or turned off
+(``RAYCOLL_NATIVE=0``), raycoll runs its Python transports instead, with the same semantics
+and tests: :func:`native_available` says which, :func:`native_status` why.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["native_available", "native_status", "core", "DTYPE_CODES", "OP_CODES", "dtype_code",
+           "op_code"]
+
+#: Set to ``0`` to run without the native core (the Python transports), e.g. to compare.
+ENV = "RAYCOLL_NATIVE"
+
+core: Any = None
+_why: str = ""
+
+
+def _load() -> Tuple[Any, str]:
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"turned off by {ENV}={os.environ[ENV]}"
+    try:
+        from raycoll.native import _core
+    except ImportError as exc:
+        return None, (f"the extension raycoll.native._core is not built ({exc}); reinstall "
+                      "with a C compiler present (pip install -e .)")
+    return _core, "in use"
+
+
+core, _why = _load()
+
+
+def native_available() -> bool:
+    """Whether raycoll's native core is in use in this process."""
+    return core is not None
+
+
+def native_status() -> str:
+    """Why the native core is (or is not) in use: ``"in use"``, or the reason it is not."""
+    return _why
+
+
+#: numpy dtype -> the native dtype code (reduce.h's RC_DT_*); bfloat16 has no numpy dtype:
+#: its code is ``DTYPE_CODES["bfloat16"]``.
+DTYPE_CODES: Dict[Any, int] = {}
+for _i, _name in enumerate(("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+                            "int64", "uint64", "float16", "bfloat16", "float32", "float64",
+                            "longdouble", "complex64", "complex128")):
+    if _name == "bfloat16":
+        DTYPE_CODES[_name] = _i
+    else:
+        DTYPE_CODES[np.dtype(_name)] = _i
+        DTYPE_CODES[_name] = _i
+# a dtype whose byte order is not the machine's has no code: its reductions stay in numpy
+
+#: ``ReduceOp`` name -> the native op code (reduce.h's RC_RED_*).
+OP_CODES: Dict[str, int] = {name: i for i, name in enumerate(
+    ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"))}
+
+
+def dtype_code(dtype: Any) -> Optional[int]:
+    """The native code of a numpy dtype (or ``"bfloat16"``), or ``None`` if it has none."""
+    try:
+        return DTYPE_CODES.get(dtype)
+    except TypeError:  # unhashable
+        return None
+
+
+def op_code(name: str) -> int:
+    """The native code of a ``ReduceOp`` name."""
+    return OP_CODES[name]

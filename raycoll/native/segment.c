@@ -1,0 +1,496 @@
+/* The node segment: creating and mapping it, publishing steps, waiting for peers, and running
+ * a plan's operations (see segment.h for the layout and the protocol). Plain C: no Python. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "segment.h"
+#include "reduce.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+_Static_assert(sizeof(rc_seg_header) == RC_HEADER_BYTES, "rc_seg_header is one 128-byte block");
+_Static_assert(sizeof(rc_ctl) == RC_CTL_BYTES, "rc_ctl is RC_CTL_BYTES");
+_Static_assert(RC_CTL_BYTES % 64 == 0, "control blocks start on cache lines");
+
+/* ---------------------------------------------------------------- atomics and time */
+static inline uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* Whether step counter value seq has reached step s (32-bit counters wrap). */
+static inline int reached(uint32_t seq, uint32_t s) { return (int32_t)(seq - s) >= 0; }
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* ---------------------------------------------------------------- sleeping and waking */
+#ifdef __linux__
+/* Sleep while *addr == val, at most ns (a shared futex: the word is in a MAP_SHARED file). */
+static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(ns / 1000000000ull);
+    ts.tv_nsec = (long)(ns % 1000000000ull);
+    (void)syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void wake_all(uint32_t *addr) { (void)syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
+#else
+/* No futex: sleep a little (the waker does nothing; a sleeper re-checks after its sleep). */
+static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
+    (void)addr;
+    (void)val;
+    struct timespec ts;
+    if (ns > 200000ull) ns = 200000ull;
+    ts.tv_sec = 0;
+    ts.tv_nsec = (long)ns;
+    nanosleep(&ts, NULL);
+}
+
+static void wake_all(uint32_t *addr) { (void)addr; }
+#endif
+
+/* ---------------------------------------------------------------- layout */
+static uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+static uint64_t data_offset(int nranks) {
+    return round_up(RC_HEADER_BYTES + (uint64_t)nranks * RC_CTL_BYTES, RC_PAGE);
+}
+
+size_t rc_seg_total_bytes(int nranks, uint64_t half_bytes) {
+    return (size_t)(data_offset(nranks) + (uint64_t)nranks * 2u * half_bytes);
+}
+
+uint8_t *rc_seg_half(const rc_seg *s, int r, int p) {
+    return s->data + ((uint64_t)r * 2u + (uint64_t)(p & 1)) * s->half;
+}
+
+static void set_view(rc_seg *s, uint8_t *base, size_t len, int nranks, int me, uint64_t half) {
+    s->base = base;
+    s->len = len;
+    s->hdr = (rc_seg_header *)base;
+    s->ctl = (rc_ctl *)(base + RC_HEADER_BYTES);
+    s->data = base + data_offset(nranks);
+    s->nranks = nranks;
+    s->me = me;
+    s->half = half;
+    s->step = 0;
+    s->closing = 0;
+    s->spin_fails = 0;
+}
+
+static int check_shape(int nranks, int me, uint64_t half_bytes, char *err, size_t errlen) {
+    if (nranks < 1 || nranks > RC_MAX_RANKS || me < 0 || me >= nranks) {
+        snprintf(err, errlen, "bad segment shape: %d ranks, rank %d (at most %d ranks)", nranks,
+                 me, RC_MAX_RANKS);
+        return EINVAL;
+    }
+    if (half_bytes == 0 || half_bytes % RC_PAGE != 0 || half_bytes > (1ull << 40)) {
+        snprintf(err, errlen, "bad slot size %llu: a positive multiple of %u bytes",
+                 (unsigned long long)half_bytes, RC_PAGE);
+        return EINVAL;
+    }
+    return 0;
+}
+
+static void mark_mapped(rc_seg *s) {
+    rc_ctl *mine = &s->ctl[s->me];
+    mine->pid = (int32_t)getpid();
+    __atomic_store_n(&mine->mapped, 1u, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&s->hdr->attached, 1u, __ATOMIC_SEQ_CST);
+}
+
+int rc_seg_create(rc_seg *s, const char *name, int nranks, int me, uint64_t half_bytes,
+                  char *err, size_t errlen) {
+    int rc = check_shape(nranks, me, half_bytes, err, errlen);
+    if (rc) return rc;
+    size_t total = rc_seg_total_bytes(nranks, half_bytes);
+    int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+        rc = errno;
+        snprintf(err, errlen, "shm_open(%s) failed: %s", name, strerror(rc));
+        return rc;
+    }
+    if (ftruncate(fd, (off_t)total) != 0) {
+        rc = errno;
+        snprintf(err, errlen, "ftruncate(%s, %zu) failed: %s", name, total, strerror(rc));
+        goto fail;
+    }
+#ifdef __linux__
+    /* Reserve the pages now: a /dev/shm too small fails here (ENOSPC), not later (SIGBUS). */
+    rc = posix_fallocate(fd, 0, (off_t)total);
+    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+        snprintf(err, errlen, "reserving %zu bytes of shared memory for %s failed: %s", total,
+                 name, strerror(rc));
+        goto fail;
+    }
+#endif
+    void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        rc = errno;
+        snprintf(err, errlen, "mmap(%s, %zu) failed: %s", name, total, strerror(rc));
+        goto fail;
+    }
+    close(fd);
+    set_view(s, (uint8_t *)base, total, nranks, me, half_bytes);
+    snprintf(s->name, sizeof s->name, "%s", name);
+    memset(base, 0, (size_t)data_offset(nranks)); /* header and control blocks */
+    s->hdr->version = RC_SEG_VERSION;
+    s->hdr->nranks = (uint32_t)nranks;
+    s->hdr->half_bytes = half_bytes;
+    s->hdr->data_off = data_offset(nranks);
+    s->hdr->total_bytes = total;
+    s->hdr->creator_pid = (uint32_t)getpid();
+    mark_mapped(s);
+    __atomic_store_n(&s->hdr->magic, RC_SEG_MAGIC, __ATOMIC_RELEASE);
+    return 0;
+fail:
+    close(fd);
+    shm_unlink(name);
+    return rc;
+}
+
+int rc_seg_attach(rc_seg *s, const char *name, int nranks, int me, uint64_t half_bytes,
+                  char *err, size_t errlen) {
+    int rc = check_shape(nranks, me, half_bytes, err, errlen);
+    if (rc) return rc;
+    size_t total = rc_seg_total_bytes(nranks, half_bytes);
+    int fd = shm_open(name, O_RDWR, 0);
+    if (fd < 0) {
+        rc = errno;
+        snprintf(err, errlen, "shm_open(%s) failed: %s", name, strerror(rc));
+        return rc;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != total) {
+        rc = EINVAL;
+        snprintf(err, errlen, "segment %s has %lld bytes, expected %zu", name,
+                 (long long)st.st_size, total);
+        close(fd);
+        return rc;
+    }
+    void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    rc = base == MAP_FAILED ? errno : 0;
+    close(fd);
+    if (rc) {
+        snprintf(err, errlen, "mmap(%s, %zu) failed: %s", name, total, strerror(rc));
+        return rc;
+    }
+    rc_seg_header *hdr = (rc_seg_header *)base;
+    if (__atomic_load_n(&hdr->magic, __ATOMIC_ACQUIRE) != RC_SEG_MAGIC ||
+        hdr->version != RC_SEG_VERSION || hdr->nranks != (uint32_t)nranks ||
+        hdr->half_bytes != half_bytes) {
+        snprintf(err, errlen, "segment %s is not a raycoll segment of %d ranks and %llu-byte "
+                 "halves (version %u)", name, nranks, (unsigned long long)half_bytes,
+                 RC_SEG_VERSION);
+        munmap(base, total);
+        return EINVAL;
+    }
+    set_view(s, (uint8_t *)base, total, nranks, me, half_bytes);
+    snprintf(s->name, sizeof s->name, "%s", name);
+    mark_mapped(s);
+    return 0;
+}
+
+int rc_seg_unlink(const char *name) { return shm_unlink(name) == 0 ? 0 : errno; }
+
+void rc_seg_unmap(rc_seg *s) {
+    if (s->base != NULL) munmap(s->base, s->len);
+    s->base = NULL;
+}
+
+void rc_seg_abort(rc_seg *s, uint32_t reason) {
+    __atomic_store_n(&s->ctl[s->me].abort, reason, __ATOMIC_SEQ_CST);
+    for (int r = 0; r < s->nranks; r++) wake_all(&s->ctl[r].seq);
+}
+
+/* ---------------------------------------------------------------- publishing and waiting */
+static void publish(rc_seg *s, uint32_t step) {
+    rc_ctl *mine = &s->ctl[s->me];
+    s->step = step;
+    __atomic_store_n(&mine->seq, step, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) wake_all(&mine->seq);
+}
+
+/* Whether rank r's process is gone: its pid no longer exists, or (Linux) it is a zombie
+ * that its parent has not reaped yet (a killed process stays one until then). */
+static int gone(const rc_seg *s, int r) {
+    int32_t pid = s->ctl[r].pid;
+    if (pid <= 0) return 0;
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+#ifdef __linux__
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *paren = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold spaces */
+    return paren != NULL && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+#else
+    return 0;
+#endif
+}
+
+/* A reason to stop waiting other than the step: a peer's abort flag, this rank closing. */
+static int interrupted(const rc_seg *s, int *peer) {
+    if (s->closing) {
+        *peer = s->me;
+        return RC_CLOSED;
+    }
+    for (int r = 0; r < s->nranks; r++) {
+        if (__atomic_load_n(&s->ctl[r].abort, __ATOMIC_ACQUIRE) != 0) {
+            *peer = r;
+            return RC_ABORTED;
+        }
+    }
+    return RC_OK;
+}
+
+/* Wait until every rank has published step, then make sure none gave up on the group (a
+ * peer that published the step and then failed, say timed out waiting for this rank, left
+ * its data behind: completing with it would succeed here and fail there). */
+static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer);
+
+static int wait_all(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
+    int rc = wait_step(s, step, call, peer);
+    if (rc == RC_OK) rc = interrupted(s, peer);
+    return rc;
+}
+
+static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
+    int pending[RC_MAX_RANKS];
+    int npending = 0;
+    for (int r = 0; r < s->nranks; r++)
+        if (r != s->me && !reached(load_acquire(&s->ctl[r].seq), step)) pending[npending++] = r;
+    if (npending == 0) return RC_OK;
+    uint64_t start = now_ns();
+    uint64_t spin_until = start + call->wait.spin_ns;
+    /* Spin: where the ranks fit the cores, a peer's publish is seen within ~100 ns. */
+    while (call->wait.spin_ns) {
+        int left = 0;
+        for (int i = 0; i < npending; i++)
+            if (!reached(load_acquire(&s->ctl[pending[i]].seq), step)) pending[left++] = pending[i];
+        npending = left;
+        if (npending == 0) return RC_OK;
+        if (now_ns() >= spin_until) {
+            s->spin_fails++;
+            break;
+        }
+        for (int k = 0; k < 32; k++) cpu_relax();
+    }
+    /* Sleep on the first rank not there yet; check liveness, aborts and the caller's checks on
+     * the way. */
+    uint64_t tick = call->wait.tick_ns ? call->wait.tick_ns : 10000000ull;
+    uint64_t check_every = call->wait.check_ns ? call->wait.check_ns : 100000000ull;
+    uint64_t check_at = start + check_every;
+    uint64_t live_at = start;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < npending; i++)
+            if (!reached(load_acquire(&s->ctl[pending[i]].seq), step)) pending[left++] = pending[i];
+        npending = left;
+        if (npending == 0) return RC_OK;
+        int rc = interrupted(s, peer);
+        if (rc) return rc;
+        uint64_t now = now_ns();
+        if (now >= live_at) {
+            for (int i = 0; i < npending; i++) {
+                if (gone(s, pending[i])) {
+                    *peer = pending[i];
+                    return RC_DEAD;
+                }
+            }
+            live_at = now + tick;
+        }
+        if (now >= check_at && call->check != NULL) {
+            if (call->check(call->check_arg, (double)(now - start) / 1e9, pending, npending))
+                return RC_CHECK;
+            check_every = check_every * 2 < call->wait.check_max_ns ? check_every * 2
+                                                                     : call->wait.check_max_ns;
+            if (check_every == 0) check_every = 1000000000ull;
+            check_at = now_ns() + check_every;
+        }
+        rc_ctl *other = &s->ctl[pending[0]];
+        __atomic_add_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
+        uint32_t seen = __atomic_load_n(&other->seq, __ATOMIC_SEQ_CST);
+        if (!reached(seen, step) && __atomic_load_n(&other->abort, __ATOMIC_SEQ_CST) == 0 &&
+            !s->closing) {
+            uint64_t until = live_at < check_at ? live_at : check_at;
+            now = now_ns();
+            sleep_on(&other->seq, seen, until > now ? until - now : 1000ull);
+        }
+        __atomic_sub_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* After the first step of a call: every rank's step info against this rank's. Ranks whose
+ * calls took other paths (a rank that rejected its arguments, a call that went through the
+ * coordinator on some ranks) took no step for them, so the ranks meeting at a step may be at
+ * different calls: the earliest call there fails (RC_SEQ, naming a rank at a later one), and
+ * the ranks at later calls take this step as a stand-in for it and run their own call again
+ * from its next step (RC_RETRY), so that every rank stays on the same steps. */
+static int compare_info(const rc_seg *s, uint32_t step, int *peer) {
+    int p = (int)(step & 1u);
+    const rc_step_info *mine = &s->ctl[s->me].info[p];
+    uint64_t earliest = mine->call_seq;
+    int later = -1;
+    for (int r = 0; r < s->nranks; r++) {
+        const rc_step_info *other = &s->ctl[r].info[p];
+        if (other->step != step || !(other->flags & RC_STEP_FIRST)) {
+            *peer = r; /* a rank in the middle of a call: cannot happen (a bug) */
+            return RC_BADPLAN;
+        }
+        if (other->call_seq < earliest) earliest = other->call_seq;
+        if (other->call_seq != mine->call_seq && later < 0) later = r;
+    }
+    if (mine->call_seq > earliest) return RC_RETRY;
+    if (later >= 0) {
+        *peer = later;
+        return RC_SEQ;
+    }
+    for (int r = 0; r < s->nranks; r++) {
+        const rc_step_info *other = &s->ctl[r].info[p];
+        if (other->fp_len != mine->fp_len || memcmp(other->fp, mine->fp, mine->fp_len) != 0) {
+            *peer = r;
+            return RC_MISMATCH;
+        }
+    }
+    return RC_OK;
+}
+
+/* ---------------------------------------------------------------- plans */
+static int in_range(uint64_t off, uint64_t n, uint64_t len) { return n <= len && off <= len - n; }
+
+/* Every operation's ranges against the buffers and the slot halves, before anything moves. */
+static int check_plan(const rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs,
+                      int nbufs, const rc_call *call, int *bad) {
+    size_t esize = rc_dtype_size(call->dtype);
+    for (size_t i = 0; i < nops; i++) {
+        const int64_t *o = ops + i * RC_OP_WORDS;
+        int64_t kind = o[0], a = o[1], b = o[4];
+        uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
+        int ok = o[2] >= 0 && o[3] >= 0 && o[5] >= 0;
+        int dst_ok = (a == RC_BUF_NEXT && in_range(a_off, n, s->half)) ||
+                     (a >= 0 && a < nbufs && bufs[a].writable && in_range(a_off, n, bufs[a].len));
+        switch (kind) {
+        case RC_OP_WRITE:
+            ok = ok && a >= 0 && a < nbufs && in_range(a_off, n, bufs[a].len) &&
+                 in_range(b_off, n, s->half);
+            break;
+        case RC_OP_SYNC:
+            break;
+        case RC_OP_COPY:
+            ok = ok && dst_ok && b >= 0 && b < s->nranks && in_range(b_off, n, s->half);
+            break;
+        case RC_OP_REDUCE:
+            ok = ok && dst_ok && esize && n % esize == 0 && in_range(b_off, n, s->half) &&
+                 rc_reduce_supported(call->dtype, call->op);
+            break;
+        case RC_OP_LOCAL:
+            ok = ok && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < nbufs &&
+                 in_range(b_off, n, bufs[b].len);
+            break;
+        case RC_OP_FINAL:
+            ok = ok && dst_ok && a != RC_BUF_NEXT && esize && n % esize == 0;
+            break;
+        default:
+            ok = 0;
+        }
+        if (!ok) {
+            *bad = (int)i;
+            return RC_BADPLAN;
+        }
+    }
+    return RC_OK;
+}
+
+int rc_seg_run(rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs, int nbufs,
+               const rc_call *call, int *peer) {
+    int rc = check_plan(s, ops, nops, bufs, nbufs, call, peer);
+    if (rc) return rc;
+    if (call->fp_len > RC_FP_BYTES) {
+        *peer = -1;
+        return RC_BADPLAN;
+    }
+    size_t esize = rc_dtype_size(call->dtype);
+    const void *srcs[RC_MAX_RANKS];
+    for (size_t i = 0; i < nops; i++) {
+        const int64_t *o = ops + i * RC_OP_WORDS;
+        uint32_t cur = s->step;
+        int64_t a = o[1];
+        uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
+        uint8_t *dst = a == RC_BUF_NEXT ? rc_seg_half(s, s->me, (int)((cur + 1u) & 1u)) + a_off
+                                        : (a >= 0 ? bufs[a].ptr + a_off : NULL);
+        switch (o[0]) {
+        case RC_OP_WRITE:
+            memcpy(rc_seg_half(s, s->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
+            break;
+        case RC_OP_SYNC: {
+            uint32_t step = cur + 1u;
+            int first = (o[6] & RC_STEP_FIRST) != 0;
+            if (first) {
+                rc_step_info *info = &s->ctl[s->me].info[step & 1u];
+                info->call_seq = call->call_seq;
+                info->step = step;
+                info->flags = RC_STEP_FIRST;
+                info->fp_len = call->fp_len;
+                memcpy(info->fp, call->fp, call->fp_len);
+            }
+            publish(s, step);
+            rc = wait_all(s, step, call, peer);
+            if (rc) return rc;
+            if (first) {
+                rc = compare_info(s, step, peer);
+                if (rc == RC_RETRY) {
+                    i = (size_t)-1; /* this step stood in for an earlier call: again */
+                    continue;
+                }
+                if (rc) return rc;
+            }
+            break;
+        }
+        case RC_OP_COPY:
+            memcpy(dst, rc_seg_half(s, (int)o[4], (int)(cur & 1u)) + b_off, n);
+            break;
+        case RC_OP_REDUCE:
+            for (int r = 0; r < s->nranks; r++) srcs[r] = rc_seg_half(s, r, (int)(cur & 1u)) + b_off;
+            rc_reduce(call->dtype, call->op, dst, srcs, s->nranks, n / esize);
+            if (o[6] & RC_FLAG_FINAL)
+                rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
+            break;
+        case RC_OP_LOCAL:
+            memmove(dst, bufs[o[4]].ptr + b_off, n);
+            break;
+        case RC_OP_FINAL:
+            rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
+            break;
+        }
+    }
+    return RC_OK;
+}

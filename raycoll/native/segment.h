@@ -1,0 +1,203 @@
+/*
+ * raycoll's node segment: the shared memory that a group's ranks on one node run their
+ * collectives through (see raycoll/transport/segment.py for the Python side).
+ *
+ * One segment per (group generation, node). The node's first rank creates it (shm_open with
+ * O_EXCL, a name that carries a hash of the group's secret, mode 0600), reserves its memory
+ * (posix_fallocate on Linux: a /dev/shm too small fails here with ENOSPC, never later with
+ * SIGBUS), maps it and writes the header; the others open and map it; once every local rank
+ * has mapped it, the name is unlinked, so that a crash or a kill -9 leaves nothing behind.
+ *
+ * Layout (every part starts on a 64-byte line; offsets in bytes):
+ *
+ *   [0, 128)                       rc_seg_header
+ *   [128, 128 + n * RC_CTL_BYTES)  rc_ctl, one per local rank (by local rank)
+ *   [data_off, ...)                the slots: local rank r's slot is two halves of
+ *                                  half_bytes each, at data_off + (2 r + p) * half_bytes for
+ *                                  parity p (data_off and half_bytes are multiples of 4096)
+ *
+ * Execution is a sequence of *steps*, the same on every local rank (the planner in Python
+ * makes them: raycoll/algorithms/segment_plans.py). Each rank counts its steps; in step s it
+ *   1. writes what it sends into its own slot half s % 2 (and, on a call's first step, its
+ *      fingerprint and call into info[s % 2]: see compare_info in segment.c for the ranks
+ *      meeting at a step with different calls);
+ *   2. publishes s: a release store to its ctl.seq, then a futex wake if anyone sleeps on it;
+ *   3. waits until every local rank has published s (acquire loads of their ctl.seq);
+ *   4. reads the peers' halves s % 2: copies, or reduces them in rank order (every rank
+ *      holds bitwise the same result), possibly into its own half (s + 1) % 2 for step s + 1.
+ * Every step waits for every local rank, so when a rank writes half p in step s + 2 every
+ * peer has published s + 1, and so has finished reading half p in step s: two halves are
+ * enough, with one wait a step. Python may read the peers' halves of the last step between
+ * two runs (they stay put until this rank publishes its next step).
+ *
+ * seq is 32 bits (a futex word) and wraps: ranks are at most one step apart, so steps are
+ * compared by their difference as a signed 32-bit number.
+ */
+#ifndef RAYCOLL_SEGMENT_H
+#define RAYCOLL_SEGMENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RC_SEG_MAGIC 0x31304c4c4f435952ULL /* "RAYCOLL01", little-endian */
+#define RC_SEG_VERSION 1u
+#define RC_HEADER_BYTES 128u
+#define RC_CTL_BYTES 640u
+#define RC_FP_BYTES 192u
+#define RC_PAGE 4096u
+#define RC_MAX_RANKS 1024
+#define RC_NAME_MAX 64
+
+/* rc_step_info.flags */
+#define RC_STEP_FIRST 1u  /* the first step of a call: fp and call_seq are compared */
+
+/* Reasons a rank gives up on the group (rc_ctl.abort). */
+#define RC_ABORT_FAILED 1u /* its call failed in the middle (timeout, a dead peer, ...) */
+#define RC_ABORT_CLOSED 2u /* it destroyed its group while a call waited */
+
+/* The segment's header, written once by the creator before the magic. */
+typedef struct {
+    uint64_t magic;       /* RC_SEG_MAGIC, stored last (release) by the creator */
+    uint32_t version;     /* RC_SEG_VERSION */
+    uint32_t nranks;      /* local ranks sharing the segment */
+    uint64_t half_bytes;  /* bytes of each half of each rank's slot */
+    uint64_t data_off;    /* where rank 0's slot starts */
+    uint64_t total_bytes; /* the file's size */
+    uint32_t attached;    /* atomic: ranks that mapped the segment (the creator counts) */
+    uint32_t creator_pid; /* for debugging */
+    uint8_t pad[RC_HEADER_BYTES - 48];
+} rc_seg_header;
+
+/* What a rank says of one step, by step parity: written before it publishes the step, read
+ * by the peers after they saw it published. */
+typedef struct {
+    uint64_t call_seq;        /* the collective's sequence number in its process group */
+    uint32_t step;            /* the step this info was written for */
+    uint32_t flags;           /* RC_STEP_* */
+    uint32_t fp_len;          /* bytes of fp in use */
+    uint32_t pad;
+    uint8_t fp[RC_FP_BYTES];  /* the call's fingerprint (Python's encoding), compared whole */
+} rc_step_info;
+
+/* One rank's control block: three lines written by different parties, then its step info. */
+typedef struct {
+    /* line 0, written by the owner only */
+    uint32_t seq;   /* futex word: the last step the owner published */
+    uint32_t abort; /* 0, or RC_ABORT_*: the owner gave up on the group (peers stop waiting) */
+    uint8_t pad0[56];
+    /* line 1, written by the ranks that wait for the owner */
+    uint32_t waiters; /* how many ranks sleep (futex) on seq: the owner wakes them if > 0 */
+    uint8_t pad1[60];
+    /* line 2, written by the owner when it maps the segment */
+    int32_t pid;      /* the owner's process id: a peer whose pid is gone is named at once */
+    uint32_t mapped;  /* 1 once the owner mapped the segment */
+    uint8_t pad2[56];
+    /* lines 3.., by step parity */
+    rc_step_info info[2];
+    uint8_t pad3[RC_CTL_BYTES - 192 - 2 * sizeof(rc_step_info)];
+} rc_ctl;
+
+/* One process's view of a segment. */
+typedef struct {
+    uint8_t *base;
+    size_t len;
+    rc_seg_header *hdr;
+    rc_ctl *ctl;
+    uint8_t *data;
+    int nranks;
+    int me;
+    uint64_t half;
+    uint32_t step;       /* the last step this rank published */
+    volatile int closing; /* set by the binding's close(): a running wait ends at once */
+    uint64_t spin_fails;  /* waits whose spin ran its whole length (the peer was not there) */
+    char name[RC_NAME_MAX];
+} rc_seg;
+
+/* What a plan's operations point into. */
+typedef struct {
+    uint8_t *ptr;
+    uint64_t len;
+    int writable;
+} rc_buf;
+
+/* Operation kinds of a plan (8 int64 words an operation: kind, a, a_off, n, b, b_off, flags,
+ * 0). Buffer ids >= 0 name the call's buffers; RC_BUF_NEXT is this rank's own slot half of
+ * the next step (writable during the read phase of a step). */
+enum {
+    RC_OP_WRITE = 1,  /* copy buf a[a_off, +n) into the own half of the coming step at b_off */
+    RC_OP_SYNC = 2,   /* publish the step, wait for every rank; flags: RC_STEP_FIRST */
+    RC_OP_COPY = 3,   /* copy rank b's half of this step [b_off, +n) into buf a at a_off */
+    RC_OP_REDUCE = 4, /* buf a[a_off, +n) = every rank's half [b_off, +n), reduced in rank
+                         order; flags & RC_FLAG_FINAL: then AVG's division / PREMUL's factor */
+    RC_OP_LOCAL = 5,  /* memmove buf b[b_off, +n) into buf a at a_off */
+    RC_OP_FINAL = 6,  /* AVG's division / PREMUL's factor over buf a[a_off, +n) */
+};
+#define RC_BUF_NEXT (-2)
+#define RC_FLAG_FINAL 1
+#define RC_OP_WORDS 8
+
+/* Results of rc_seg_run (the peer is in *peer where one is named). */
+enum {
+    RC_OK = 0,
+    RC_MISMATCH = 1, /* the ranks' fingerprints differ on the call's first step */
+    RC_ABORTED = 3,  /* *peer gave up on the group (its abort flag) */
+    RC_DEAD = 4,     /* *peer's process is gone */
+    RC_CHECK = 5,    /* the check callback raised (its exception is set) */
+    RC_BADPLAN = 6,  /* an operation out of bounds (*peer: its index); nothing was published */
+    RC_CLOSED = 7,   /* this rank closed the segment while it waited */
+    RC_SEQ = 8,      /* *peer is at a later call: this rank's call took other paths there
+                        (it rejected its arguments, say), so it fails here */
+    RC_RETRY = 9,    /* (internal) this rank's step stood in for a peer's earlier call */
+};
+
+/* The waiting policy of one run. */
+typedef struct {
+    uint64_t spin_ns;    /* spin this long before sleeping (0: ranks outnumber the cores) */
+    uint64_t tick_ns;    /* longest single sleep: liveness and the abort flags are checked
+                            at least this often */
+    uint64_t check_ns;   /* call the check callback after this much waiting ... */
+    uint64_t check_max_ns; /* ... then at intervals doubling up to this */
+} rc_wait_policy;
+
+/* Called (with the waited time and the ranks not yet arrived) while a run waits; nonzero
+ * ends the run with RC_CHECK. */
+typedef int (*rc_check_fn)(void *arg, double waited_s, const int *pending, int npending);
+
+/* Everything one run needs beside the plan and the buffers. */
+typedef struct {
+    int dtype;        /* RC_DT_* (reduce.h), for RC_OP_REDUCE / RC_OP_FINAL */
+    int op;           /* RC_RED_* */
+    double factor;    /* PREMUL_SUM's factor */
+    int divisor;      /* AVG's divisor: the ranks reduced */
+    uint64_t call_seq;
+    const uint8_t *fp;
+    uint32_t fp_len;
+    rc_wait_policy wait;
+    rc_check_fn check;
+    void *check_arg;
+} rc_call;
+
+size_t rc_seg_total_bytes(int nranks, uint64_t half_bytes);
+/* 0 or an errno; err gets a message. */
+int rc_seg_create(rc_seg *s, const char *name, int nranks, int me, uint64_t half_bytes,
+                  char *err, size_t errlen);
+int rc_seg_attach(rc_seg *s, const char *name, int nranks, int me, uint64_t half_bytes,
+                  char *err, size_t errlen);
+int rc_seg_unlink(const char *name);
+void rc_seg_unmap(rc_seg *s);
+/* Tell the peers this rank gave up (reason RC_ABORT_*), and wake every sleeper. */
+void rc_seg_abort(rc_seg *s, uint32_t reason);
+/* Run a plan (ops: nops * RC_OP_WORDS int64 words). Returns RC_*; *peer names a rank. */
+int rc_seg_run(rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs, int nbufs,
+               const rc_call *call, int *peer);
+/* The bytes of rank r's half p. */
+uint8_t *rc_seg_half(const rc_seg *s, int r, int p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

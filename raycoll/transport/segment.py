@@ -1,0 +1,549 @@
+"""The node segment: a group's ranks on one node run every CPU collective through one
+shared-memory segment, natively (raycoll's compiled core, :mod:`raycoll.native`).
+
+This is the shared-memory lane where the native core is built (without it, the lane is Ray's
+shared-memory channels: :mod:`raycoll.transport.lane`). The segment's layout and protocol are
+written once, in ``raycoll/native/segment.h``; the plans (which bytes each step moves) in
+:mod:`raycoll.algorithms.segment_plans`. A collective is one native call: the GIL is
+released while it copies, reduces and waits, and no Python runs between two steps.
+
+- **Set-up**, inside the group's first collective, through the coordinator (two steps, once
+  per group): the node's first rank creates the segment (a name that carries a hash of the
+  group's secret, mode 0600, its memory reserved at once, so that a /dev/shm too small fails
+  here with a clear message, and a smaller segment is tried, never a SIGBUS later), the
+  others map it, and once every rank has, every rank unlinks its name: a crash or a kill -9
+  leaves nothing in /dev/shm. Its size: ``node_segment_bytes`` (group option) a rank.
+- **Waiting**: a rank spins for up to ``SPIN_S`` where the node's ranks fit its cores (never
+  where they outnumber them, nor while its caller computes beside an async collective), then
+  sleeps in the kernel (futex) until the peer it waits for publishes its step; every
+  ``TICK_S`` it checks that its peers' processes live (a dead one is named at once, before
+  Ray reports it) and their abort flags; after 0.1 s, and then at intervals doubling to 1 s,
+  it returns to Python for the coordinator's check and the call's deadline.
+- **Mismatches** (shape, dtype, op, root, collective) are found on a call's first step from
+  the fingerprints every rank publishes, before any data is read: that call fails with
+  ``CollectiveMismatchError`` on every rank and the group goes on. A call a rank rejected
+  (``PeerArgumentError`` on the others), or that took another path on some ranks (through
+  the coordinator), fails alike: those ranks took no step for it, and the ranks stay on the
+  same steps (``compare_info`` in ``raycoll/native/segment.c``).
+- **Failures** (a timeout, a dead rank, an abort) break the group: this rank raises its
+  error, raises its abort flag (its peers stop waiting at once) and the coordinator is told.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycoll import errors
+from raycoll.algorithms import segment_plans as plans
+from raycoll.coordinator.logic import fingerprint_mismatch
+from raycoll.native import core, dtype_code, op_code
+from raycoll.options import or_default
+from raycoll.reduce_op import ReduceOp, reduce_arrays
+from raycoll.context import Call
+from raycoll.tensors import dtype_name
+from raycoll.transport.base import REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own
+from raycoll.transport.frames import decode_frame, encode_round
+from raycoll.transport.lane import oversubscribed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.context import GroupContext
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["SegmentLane", "set_up_segment", "segment_possible", "SEGMENT_BYTES", "SPIN_S"]
+
+#: Each rank's share of the segment (two halves), group option ``node_segment_bytes``.
+SEGMENT_BYTES = 4 << 20
+#: A segment too large for /dev/shm is tried at half the size, down to this a rank.
+MIN_SEGMENT_BYTES = 64 << 10
+#: How long a wait spins before it sleeps (ranks that fit the node's cores only).
+SPIN_S = 200e-6
+#: How often a sleeping wait wakes to check its peers' processes and abort flags.
+TICK_S = 0.01
+#: When a wait first returns to Python (coordinator check, deadline), then up to this apart.
+CHECK_FIRST_S = 0.1
+CHECK_MAX_S = 1.0
+#: all_reduce and reduce up to this many bytes take one step (every rank reduces every
+#: rank's buffer); larger ones reduce-scatter and all-gather through the halves.
+ONE_STEP_BYTES = 64 << 10
+
+
+def segment_possible(ctx: "GroupContext") -> bool:
+    """Whether group ``ctx`` can run on a node segment: the native core is built and on,
+    2+ ranks, all on this node, no more than the option ``lane_max_ranks`` (if set) nor
+    the core's limit (1,024)."""
+    if core is None or ctx.size < 2 or not ctx.single_node or ctx.size > core.MAX_RANKS:
+        return False
+    limit = ctx.options.lane_max_ranks
+    return limit is None or ctx.size <= limit
+
+
+def _name(ctx: "GroupContext") -> str:
+    """A fresh segment name carrying a hash of the group's secret (at most 31 characters,
+    macOS's limit)."""
+    digest = hashlib.blake2b((ctx.secret or b"") + uuid.uuid4().bytes + ctx.group_name.encode(),
+                             digest_size=12).hexdigest()
+    return f"/rc{digest}"
+
+
+def _half_bytes(ctx: "GroupContext") -> int:
+    per_rank = int(or_default(ctx.options.node_segment_bytes, SEGMENT_BYTES))
+    return max(core.PAGE, per_rank // 2 // core.PAGE * core.PAGE)
+
+
+def _create(ctx: "GroupContext", name: str) -> Tuple[Any, str]:
+    """The segment, created here, or ``None`` and why not: a /dev/shm too small for it gets
+    a smaller one (down to ``MIN_SEGMENT_BYTES`` a rank), with a warning naming the option."""
+    half = _half_bytes(ctx)
+    wanted = half
+    while True:
+        try:
+            seg = core.Segment(name, ctx.size, 0, half, True)
+        except core.SegmentError as exc:
+            if exc.errno == 28 and 2 * half > MIN_SEGMENT_BYTES:  # ENOSPC
+                half = max(core.PAGE, half // 2 // core.PAGE * core.PAGE)
+                continue
+            return None, str(exc)
+        if half != wanted:
+            logger.warning(
+                "raycoll: group %r: /dev/shm has no room for a node segment of %d bytes a "
+                "rank (group option node_segment_bytes); using %d bytes a rank. Enlarge "
+                "/dev/shm (docker run --shm-size=...) or set node_segment_bytes lower",
+                ctx.group_name, 2 * wanted, 2 * half)
+        return seg, ""
+
+
+def set_up_segment(ctx: "GroupContext", call: "Call") -> Optional["SegmentLane"]:
+    """Set up the group's node segment inside ``call`` (two steps through the coordinator,
+    alike on every rank): the :class:`SegmentLane`, or ``None`` on every rank if any rank
+    could not map it (each says why in the log)."""
+    me = ctx.rank
+    seg: Any = None
+    why = ""
+    name = _name(ctx) if me == 0 else ""
+    if me == 0:
+        seg, why = _create(ctx, name)
+    offer = (name, seg.half_bytes if seg is not None else 0, why)
+    try:
+        got = ctx.setup_exchange(call, [offer] * ctx.size)
+        name, half, why = got[0]
+        if me != 0 and half:
+            try:
+                seg = core.Segment(name, ctx.size, me, half, False)
+            except core.SegmentError as exc:
+                why = str(exc)
+        ok = ctx.setup_exchange(call, [(seg is not None, why)] * ctx.size, step=1)
+    finally:
+        if name:
+            core.unlink(name)  # every rank mapped it (or gave up): nothing stays in /dev/shm
+    failed = {j: w for j, (fine, w) in enumerate(ok) if not fine}
+    if failed:
+        if seg is not None:
+            seg.close()
+        logger.warning("raycoll: group %r runs without a node segment: %s", ctx.group_name,
+                       "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
+        return None
+    return SegmentLane(ctx, seg)
+
+
+class _Fingerprints:
+    """A call's fingerprint as the bytes the segment compares (``repr`` of the sorted
+    dict, decoded back for the error message), cached per fingerprint."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[Any, bytes] = {}
+
+    def encode(self, fp: Dict[str, Any]) -> bytes:
+        key = tuple(sorted(fp.items()))
+        blob = self._cache.get(key)
+        if blob is None:
+            blob = repr(dict(key)).encode()
+            if len(blob) > core.FP_BYTES:
+                blob = b"#" + hashlib.blake2b(blob, digest_size=32).digest()
+            if len(self._cache) > 1024:
+                self._cache.clear()
+            self._cache[key] = blob
+        return blob
+
+    @staticmethod
+    def decode(blob: bytes) -> Dict[str, Any]:
+        if blob.startswith(b"#"):
+            return {"fingerprint": blob[1:9].hex()}
+        try:
+            value = ast.literal_eval(blob.decode())
+            return value if isinstance(value, dict) else {"fingerprint": repr(value)}
+        except (ValueError, SyntaxError, UnicodeDecodeError):
+            return {"fingerprint": blob.hex()}
+
+
+class SegmentLane(RoundTransport):
+    """A group's node segment on this rank: the native collectives, and rounds of Python
+    payloads (:meth:`all_gather`) for what has no native plan."""
+
+    name = "node segment"
+    kind = "lane"
+    native = True
+
+    def __init__(self, ctx: "GroupContext", seg: Any) -> None:
+        super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
+        self.seg = seg
+        self.half = int(seg.half_bytes)
+        self.crowded = oversubscribed(ctx.size)
+        spin = float(or_default(ctx.options.segment_spin_s, SPIN_S))
+        self._spin_ns = 0 if self.crowded else int(spin * 1e9)
+        self._fps = _Fingerprints()
+        self._mem = memoryview(seg)
+        self.one_step_bytes = ONE_STEP_BYTES
+        #: the most a step carries: the half, or less where the options lane_bytes or
+        #: stream_bytes were set lower (at least 64 bytes a rank)
+        cap = self.half
+        for explicit in (ctx.options.lane_bytes, ctx.options.stream_bytes):
+            if explicit:
+                cap = min(cap, explicit)
+        self.step_bytes = min(self.half, max(cap // 64 * 64, 64 * ctx.size))
+        tick, first_check, max_check = int(TICK_S * 1e9), int(CHECK_FIRST_S * 1e9), int(CHECK_MAX_S * 1e9)
+        self._spinning = (self._spin_ns, tick, first_check, max_check)
+        self._no_spin = (0, tick, first_check, max_check)
+        self._policy = self._spinning if self._spin_ns else self._no_spin
+        self._backoff = SpinBackoff(bool(self._spin_ns))
+        self._spin_fails = 0
+        self._call: Optional["Call"] = None
+        self._report_every = REPORT_EVERY_S * ctx.size  # the node's ranks together: one a period
+        self._report_due = 0.0
+        #: the all_reduce short path's plans and fingerprints, by (dtype, shape, op)
+        self._fast: Dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ running a plan
+    def _wait_policy(self) -> Tuple[int, int, int, int]:
+        return self._policy if may_spin() else self._no_spin
+
+    def run(self, call: "Call", plan: plans.Plan, bufs: Sequence[Any], dtype: int = 0,
+            op: int = 0, factor: float = 1.0, divisor: int = 0, first: bool = True,
+            fp: Optional[bytes] = None) -> None:
+        """Run ``plan`` for ``call`` over ``bufs``; raise the call's error if it fails.
+        ``first``: this run holds the call's first step (its timeout counts from here);
+        ``fp``: the call's fingerprint as the segment compares it, if known."""
+        if first:
+            self._call_began = time.monotonic()
+        self._call = call
+        self.ctx.note_native(call, plan.steps)
+        try:
+            status, peer = self.seg.run(plan.ops, bufs, dtype, op, factor, divisor, call.seq,
+                                        self._fps.encode(call.fp) if fp is None else fp,
+                                        self._policy if may_spin() else self._no_spin,
+                                        self._check)
+        except errors.RaycollError:
+            self._broken()
+            raise
+        finally:
+            self._waiting = None
+        if status:
+            raise self._failed(call, status, peer)
+        self._done = (call.op, call.seq)
+        if first:
+            self.calls += 1
+        if self.seg.spin_fails != self._spin_fails:
+            self._spun_out()
+        elif self._policy is self._no_spin and self._backoff.enabled \
+                and self._backoff.spinning(self.calls):
+            self._policy = self._spinning
+        if self._report_timer is None or time.monotonic() >= self._report_due:
+            self.report()
+
+    def _spun_out(self) -> None:
+        self._spin_fails = self.seg.spin_fails
+        self._backoff.spun_out(self.calls)
+        if not self._backoff.on:
+            self._policy = self._no_spin
+
+    @property
+    def spins_failed(self) -> int:
+        """Waits whose spin ran its whole length without the peer."""
+        return self._backoff.failed
+
+    def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
+        """While a run waits (called by the core every so often): the call's deadline, then
+        the coordinator's check (a dead rank, an abort, a mismatch on another path)."""
+        call = self._call
+        self._waiting = (call.seq, list(pending))
+        elapsed = time.monotonic() - self._call_began
+        if elapsed > call.timeout_s:
+            raise self.time_out(call, list(pending))
+        self.check(call, list(pending), elapsed)
+
+    @property
+    def report_every_s(self) -> float:
+        return self._report_every
+
+    def report(self, force: bool = False) -> None:
+        super().report(force)
+        self._report_due = self._reported_at + self._report_every
+
+    def fast_plan(self, arr: np.ndarray, op: ReduceOp) -> Any:
+        """For ``raycoll.all_reduce``'s short path (``ProcessGroup.fast_all_reduce``): the
+        plan, codes and fingerprint of an all_reduce of ``arr`` with ``op`` (cached by
+        dtype, shape and op), or ``False`` when the core has no plan for it."""
+        key = (arr.dtype, arr.shape, op)
+        entry = self._fast.get(key)
+        if entry is None:
+            if len(self._fast) > 256:
+                self._fast.clear()
+            entry = self._fast[key] = self._fast_entry(arr, op)
+        return entry
+
+    def run_fast(self, entry: Any, seq: int, timeout_s: float, arr: np.ndarray) -> None:
+        """Run an all_reduce planned by :meth:`fast_plan` as collective ``seq``."""
+        plan, dtype, opc, factor, divisor, fp, blob = entry
+        self.run(Call("all_reduce", seq, timeout_s, fp), plan, (arr,), dtype, opc, factor, divisor, True, blob)
+
+    def _fast_entry(self, arr: np.ndarray, op: ReduceOp) -> Any:
+        codes = self._op(arr, op)
+        if codes is None:
+            return False
+        fp = {"dtype": dtype_name(arr.dtype), "shape": arr.shape, "reduce_op": op.key,
+              "device": "cpu", "op": "all_reduce"}
+        plan = plans.all_reduce(arr.size, arr.itemsize, self.ctx.size, self.ctx.rank,
+                                self.step_bytes, self.one_step_bytes, -1)
+        return (plan, codes[0], codes[1], float(op.factor or 1.0),
+                self.ctx.size if op.name == "AVG" else 0, fp, self._fps.encode(fp))
+
+    def _broken(self) -> None:
+        """This rank's call failed in a way that breaks the group: its peers stop waiting."""
+        self._poisoned = True
+        try:
+            self.seg.abort(core.ABORT_FAILED)
+        except ValueError:  # already closed
+            pass
+
+    def _failed(self, call: "Call", status: int, peer: int) -> BaseException:
+        """The error for a run that ended with ``status`` (naming group rank ``peer``)."""
+        where = f"{call.op} #{call.seq} on group {self.ctx.group_name!r}"
+        ranks = self.ctx.global_ranks
+        if status == core.MISMATCH:
+            parity = self.seg.step & 1
+            fps = {r: _Fingerprints.decode(self.seg.info(r, parity)["fp"])
+                   for r in range(self.ctx.size)}
+            problem = fingerprint_mismatch(fps, ranks) or "the ranks' fingerprints differ"
+            return errors.CollectiveMismatchError(f"{where}: {problem}", **self.ctx.ctx(call))
+        if status == core.SEQ:  # the peer left this call out (it rejected its arguments,
+            # or its call took another path): the coordinator knows which, a moment later
+            theirs = self.seg.info(peer, self.seg.step & 1)["call_seq"]
+            explained = self._explained(call)
+            return explained if explained is not None else errors.CollectiveMismatchError(
+                f"{where}: rank {ranks[peer]} left it out and is already at collective "
+                f"#{theirs}: the ranks are out of step", **self.ctx.ctx(call))
+        if status == core.CLOSED:
+            return errors.GroupDestroyedError(
+                f"{where}: the group was destroyed while the call waited")
+        self._broken()
+        if status in (core.DEAD, core.ABORTED):
+            # the coordinator probes the rank at once (a dead actor's probe fails within
+            # milliseconds), so that it knows before this rank's error reaches the caller
+            explained = self._explained(call, [peer])
+            if explained is not None:
+                return explained
+        if status == core.DEAD:
+            err: errors.RaycollError = errors.RankFailedError(
+                f"{where}: rank {ranks[peer]} died (its process {self.seg.info(peer, 0)['pid']} "
+                "is gone)", failed_ranks=[ranks[peer]], **self.ctx.ctx(call))
+            self.ctx.fail(err)
+            return err
+        if status == core.ABORTED:
+            err = errors.GroupBrokenError(
+                f"{where}: rank {ranks[peer]} gave up on the group (its call failed); the "
+                "group is broken", **self.ctx.ctx(call))
+        else:
+            err = errors.GroupBrokenError(f"{where}: the node segment refused a plan "
+                                          f"(status {status}, operation {peer}): a bug",
+                                          **self.ctx.ctx(call))
+        self.ctx.fail(err)
+        return err
+
+    # ------------------------------------------------------------------ rounds of payloads
+    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
+                    dests: Optional[Sequence[int]] = None,
+                    sources: Optional[Sequence[int]] = None) -> List[Any]:
+        frame = b"".join(encode_round(("msg", "segment", (call.seq, sub), call.fp, payload)))
+        if len(frame) + 8 > self.half:
+            raise errors.TensorSizeError(
+                f"{call.op} #{call.seq}: a round of {len(frame)} bytes does not fit the node "
+                f"segment's {self.half}-byte halves (group option node_segment_bytes)")
+        head = np.array([len(frame)], dtype=np.int64)
+        self.run(call, _exchange_plan(len(frame)), (head, frame), first=sub == 0)
+        parity = self.seg.step & 1
+        out: List[Any] = []
+        for r in range(self.ctx.size):
+            if r == self.ctx.rank:
+                out.append(payload)
+                continue
+            at = self.seg.half_offset(r, parity)
+            n = int(np.frombuffer(self._mem[at:at + 8], dtype=np.int64)[0])
+            message = decode_frame(self._mem[at + 8:at + 8 + n])
+            out.append(message[4] if views else own(message[4]))
+        return out
+
+    def reject(self, call: "Call", message: str) -> None:
+        """This rank rejected its arguments for ``call``: it takes no step for it. Its peers
+        learn it from the coordinator, or from this rank's next call on the segment (they
+        meet it at a step with a later call, and fail theirs: see ``compare_info`` in
+        ``raycoll/native/segment.c``)."""
+
+    def _shut(self) -> None:
+        self._broken()
+
+    def _release(self) -> None:
+        self._mem.release()
+        self.seg.close()
+
+    # ------------------------------------------------------------------ the collectives
+    def _op(self, arr: np.ndarray, op: ReduceOp) -> Optional[Tuple[int, int]]:
+        """(dtype code, op code) when the core reduces ``arr``'s dtype with ``op``."""
+        code = dtype_code(arr.dtype)
+        if code is None:
+            return None
+        name = op.name
+        if arr.dtype.kind == "c" and name != "SUM":
+            return None  # numpy's complex products and divisions: not bit-reproduced natively
+        opc = op_code(name)
+        return (code, opc) if core.supported(code, opc) else None
+
+    def run_all_reduce(self, call: "Call", flat: np.ndarray, op: ReduceOp,
+                   root: int = -1) -> None:
+        """all_reduce (or reduce, into ``root``) of ``flat`` in place."""
+        codes = self._op(flat, op)
+        if codes is None:
+            return self._reduce_in_numpy(call, flat, op, root)
+        plan = plans.all_reduce(flat.size, flat.itemsize, self.ctx.size, self.ctx.rank,
+                                self.step_bytes, self.one_step_bytes, root)
+        self.run(call, plan, (flat,), codes[0], codes[1], float(op.factor or 1.0),
+                 self.ctx.size if op.name == "AVG" else 0)
+
+    def _reduce_in_numpy(self, call: "Call", flat: np.ndarray, op: ReduceOp,
+                         root: int) -> None:
+        """A reduction the core does not do (complex PRODUCT, AVG, PREMUL_SUM; a dtype in
+        the other byte order): gather every rank's buffer, reduce with numpy in rank order."""
+        whole = np.empty(flat.size * self.ctx.size, dtype=flat.dtype)
+        self.run_all_gather(call, flat, whole, -1)
+        if root < 0 or root == self.ctx.rank:
+            parts = [whole[r * flat.size:(r + 1) * flat.size] for r in range(self.ctx.size)]
+            np.copyto(flat, reduce_arrays(op, parts))
+
+    def run_reduce_scatter(self, call: "Call", whole: np.ndarray, out: np.ndarray,
+                       op: ReduceOp) -> None:
+        """``out`` = the reduction of every rank's piece ``me`` of ``whole`` (W pieces)."""
+        codes = self._op(out, op)
+        if codes is None:  # reduced in numpy: a whole all_reduce, on a copy of the input
+            mine = np.array(whole)
+            self._reduce_in_numpy(call, mine, op, -1)
+            np.copyto(out, mine[self.ctx.rank * out.size:(self.ctx.rank + 1) * out.size])
+            return
+        plan = plans.reduce_scatter(out.size, out.itemsize, self.ctx.size, self.ctx.rank,
+                                    self.step_bytes)
+        self.run(call, plan, (whole, out), codes[0], codes[1], float(op.factor or 1.0),
+                 self.ctx.size if op.name == "AVG" else 0)
+
+    def run_broadcast(self, call: "Call", flat: np.ndarray, root: int) -> None:
+        plan = plans.broadcast(flat.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root)
+        self.run(call, plan, (_bytes(flat),))
+
+    def run_all_gather(self, call: "Call", mine: np.ndarray, out: np.ndarray, root: int) -> None:
+        """Every rank's ``mine`` into ``out`` (W pieces; only on ``root`` when >= 0)."""
+        plan = plans.all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes,
+                                  root)
+        self.run(call, plan, (_bytes(mine), _bytes(out)))
+
+    def run_scatter(self, call: "Call", whole: Optional[np.ndarray], out: np.ndarray,
+                root: int) -> None:
+        plan = plans.scatter(out.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root)
+        src = _bytes(whole) if whole is not None else _EMPTY
+        self.run(call, plan, (src, _bytes(out)))
+
+    def run_barrier(self, call: "Call") -> None:
+        self.run(call, plans.barrier(), ())
+
+    def run_all_to_all(self, call: "Call", ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
+                   send_meta: List[Any], recv_meta: List[Any]) -> None:
+        """Each rank's ``ins[j]`` into rank j's ``outs[me]`` (sizes may differ per pair: the
+        first step carries them, checked on every rank before any data is read)."""
+        from raycoll.coordinator.logic import meta_mismatch
+
+        size, me = self.ctx.size, self.ctx.rank
+        src, sends = _packed(ins)
+        dst = np.empty(sum(o.nbytes for o in outs), dtype=np.uint8)
+        recvs = _layout([o.nbytes for o in outs])
+        sizes = np.array([n for _, n in sends] + [n for _, n in recvs], dtype=np.int64)
+        self.run(call, plans.all_to_all_first(sends, size, me, self.half), (sizes, src))
+        parity = self.seg.step & 1
+        table = np.empty((size, 2 * size), dtype=np.int64)
+        for r in range(size):
+            at = self.seg.half_offset(r, parity)
+            table[r] = np.frombuffer(self._mem[at:at + 16 * size], dtype=np.int64)
+        metas = self._a2a_metas(call, send_meta, recv_meta, table)
+        problem = meta_mismatch(metas[0], metas[1], self.ctx.global_ranks)
+        if problem:
+            raise errors.CollectiveMismatchError(
+                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
+                **self.ctx.ctx(call))
+        plan = plans.all_to_all_rest(table[:, :size], sends, recvs, size, me, self.half)
+        self.run(call, plan, (_EMPTY, src, dst), first=False)
+        for s, (off, n) in enumerate(recvs):
+            _unpack(dst[off:off + n], outs[s])
+
+    def _a2a_metas(self, call: "Call", send_meta: List[Any], recv_meta: List[Any],
+                   table: np.ndarray) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+        """What each rank sends and expects, as meta_mismatch compares them: bytes (every
+        rank sees every rank's), and this rank's own dtypes and shapes."""
+        size, me = self.ctx.size, self.ctx.rank
+        send = {s: [("bytes", (int(table[s, j]),)) for j in range(size)] for s in range(size)}
+        recv = {r: [("bytes", (int(table[r, size + s]),)) for s in range(size)]
+                for r in range(size)}
+        del call, send_meta, recv_meta, me
+        return send, recv
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a contiguous array (any dtype: the plans count bytes)."""
+    return arr.reshape(-1).view(np.uint8) if arr.size else _EMPTY
+
+
+def _layout(sizes: Sequence[int]) -> Tuple[Tuple[int, int], ...]:
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, n))
+        at += n
+    return tuple(out)
+
+
+def _packed(arrays: Sequence[np.ndarray]) -> Tuple[np.ndarray, Tuple[Tuple[int, int], ...]]:
+    """The arrays' bytes one after another (one copy), and each one's (offset, bytes)."""
+    sizes = [a.nbytes for a in arrays]
+    whole = np.empty(sum(sizes), dtype=np.uint8)
+    for (off, n), a in zip(_layout(sizes), arrays):
+        if n:
+            whole[off:off + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return whole, _layout(sizes)
+
+
+def _unpack(raw: np.ndarray, out: np.ndarray) -> None:
+    if raw.size:
+        if out.flags.c_contiguous:
+            out.reshape(-1).view(np.uint8)[:] = raw
+        else:
+            out[...] = raw.view(out.dtype).reshape(out.shape)
+
+
+def _exchange_plan(nbytes: int) -> plans.Plan:
+    """One step carrying a length (8 bytes) and a frame of ``nbytes`` (buffers 0 and 1)."""
+    return plans._plan([plans.write(0, 0, 8, 0), plans.write(1, 0, nbytes, 8),
+                        plans.sync(first=True)])
+
