@@ -1,12 +1,13 @@
 """A driver that restarts Ray the way a notebook user does, run by tests/test_restart.py.
 
-``python tests/restart_driver.py local|cluster``: forms group "dp" among three actors, shuts
-Ray down without destroying it, and calls raycoll's driver-side functions with Ray down, then
-with a new Ray (new actors, the same group name), twice. ``local`` restarts a local Ray;
-``cluster`` a two-node ``ray.cluster_utils.Cluster`` (the ranks spread over both nodes), and
-the second time only reconnects to the same cluster (a new job: another session too);
-``local`` also restarts Ray under a driver that is a rank itself (``init_process_group``,
-and torch's ``init_process_group("raycoll")`` when torch is installed) and under ``spawn``.
+``python tests/restart_driver.py local|cluster``: forms group "dp" among three actors, is a
+rank itself (group "solo", ``init_process_group`` in the driver, and torch's
+``init_process_group("raycoll")`` on it when torch is installed), runs ``spawn`` and a
+``raycoll.testing.RankPool``; shuts Ray down without destroying anything; calls raycoll's
+functions with Ray down; then does it all again on a new Ray (new actors, the same names),
+twice. ``local`` restarts a local Ray; ``cluster`` a two-node ``ray.cluster_utils.Cluster``
+(the ranks spread over both nodes), and the second time only reconnects to it (a new job:
+another session too).
 
 Prints one line ``RESULT {json}``: each step's outcome, ``{"ok": true, "value": ...}`` or
 ``{"ok": false, "type": ..., "is": [its classes], "msg": ..., "cause": ...}``. Shutting Ray
@@ -26,6 +27,12 @@ import raycoll
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "local"
 WORLD = 3
+try:
+    import torch.distributed  # noqa: F401 - torch is an optional extra
+
+    TORCH = True
+except ImportError:
+    TORCH = False
 
 
 @ray.remote(num_cpus=0)
@@ -89,22 +96,69 @@ def totals(team: List[Any]) -> List[float]:
     return ray.get([w.total.remote() for w in team], timeout=120)
 
 
-def driver_groups(out: Dict[str, Any]) -> None:
-    """Form "dp" from the driver, restart Ray twice, form it again each time."""
+def _spawned(rank: int) -> float:
+    x = np.full(2, rank + 1.0)
+    raycoll.all_reduce(x)
+    return float(x[0])
+
+
+def _torch_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("raycoll")
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def form_solo() -> float:
+    """The driver is a rank itself: group "solo" of world size 1 (and torch's on it)."""
+    raycoll.init_process_group(world_size=1, rank=0, group_name="solo")
+    x = np.full(2, 5.0)
+    raycoll.all_reduce(x)
+    return float(x[0]) + (_torch_sum() if TORCH else 0.0)
+
+
+def torch_destroy() -> None:
+    if TORCH:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def run_spawn() -> List[float]:
+    return raycoll.spawn(_spawned, 2, group_name="sp", actor_options={"num_cpus": 0})
+
+
+def main() -> None:
+    from raycoll.testing import RankPool
+
+    out: Dict[str, Any] = {"mode": MODE, "torch": TORCH}
+    # the first session: everything formed, nothing destroyed
     cluster = start()
     old = workers()
     raycoll.create_group(old, group_name="dp")
-    out["first"] = totals(old)
-    out["sessions"] = [where()]
+    out["first"] = {"totals": totals(old), "solo": outcome(form_solo),
+                    "spawn": outcome(run_spawn)}
+    pool = RankPool(max_world_size=2)
+    out["first"]["pool"] = outcome(lambda: pool.run(_spawned, 2))
     out["nodes"] = len({n["NodeID"] for n in ray.nodes() if n["Alive"]})
-    stop(cluster)  # the group is never destroyed: the notebook user restarts Ray
+    out["sessions"] = [where()]
+    stop(cluster)  # the notebook user restarts Ray
     out["down"] = {
         "destroy_group": outcome(lambda: raycoll.destroy_group("dp")),
         "group_status": outcome(lambda: raycoll.group_status("dp")),
         "create_group": outcome(lambda: raycoll.create_group(old, group_name="dp")),
         "spawn_options": outcome(lambda: raycoll.spawn(print, 1, options={"strem": 1})),
+        "is_initialized": outcome(raycoll.is_initialized),
+        "destroy_process_group": outcome(lambda: raycoll.destroy_process_group("solo")),
+        "solo_status": outcome(lambda: raycoll.group_status("solo")),
+        "torch_destroy": outcome(torch_destroy),
+        "pool": outcome(lambda: pool.run(_spawned, 2)),
     }
     out["down"]["ray_started"] = ray.is_initialized()  # none of them started Ray
+    # the second session: the same cells again
     cluster = start()
     out["up"] = {
         "destroy_group": outcome(lambda: raycoll.destroy_group("dp")),
@@ -115,8 +169,11 @@ def driver_groups(out: Dict[str, Any]) -> None:
     out["up"]["create_group"] = outcome(lambda: raycoll.create_group(new, group_name="dp"))
     out["up"]["totals"] = outcome(lambda: totals(new))
     out["up"]["status_ranks"] = outcome(lambda: raycoll.group_status("dp")["world_size"])
+    out["up"]["solo"] = outcome(form_solo)
+    out["up"]["spawn"] = outcome(run_spawn)
+    out["up"]["pool"] = outcome(lambda: pool.run(_spawned, 2))  # new actors
     out["sessions"].append(where())
-    # again without destroying: re-running the cell forms "dp" at once
+    # again without destroying anything: the cells form "dp" and "solo" at once
     stop(cluster, keep=MODE == "cluster")
     cluster = start(cluster)
     out["sessions"].append(where())
@@ -126,81 +183,13 @@ def driver_groups(out: Dict[str, Any]) -> None:
         "totals": outcome(lambda: totals(again)),
         "destroy_group": outcome(lambda: raycoll.destroy_group("dp")),
         "destroy_group_twice": outcome(lambda: raycoll.destroy_group("dp")),
+        "torch_destroy_old": outcome(torch_destroy),  # torch's group of the last session
+        "solo": outcome(form_solo),
+        "torch_destroy": outcome(torch_destroy),
+        "destroy_process_group": outcome(raycoll.destroy_process_group),
+        "pool_close": outcome(pool.close),
     }
     stop(cluster)
-
-
-def _torch_sum() -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("raycoll")
-    t = torch.ones(3)
-    dist.all_reduce(t)
-    return float(t[0])
-
-
-def driver_rank(out: Dict[str, Any], with_torch: bool) -> None:
-    """The driver is a rank (world size 1): form, restart Ray, form the same name again."""
-    def form() -> float:
-        raycoll.init_process_group(world_size=1, rank=0, group_name="solo")
-        x = np.full(2, 5.0)
-        raycoll.all_reduce(x)
-        return float(x[0]) + (_torch_sum() if with_torch else 0.0)
-
-    cluster = start()
-    out["rank_first"] = outcome(form)
-    stop(cluster)
-    out["rank_down"] = {
-        "is_initialized": outcome(raycoll.is_initialized),
-        "destroy_process_group": outcome(lambda: raycoll.destroy_process_group("solo")),
-        "group_status": outcome(lambda: raycoll.group_status("solo")),
-    }
-    if with_torch:
-        import torch.distributed as dist
-
-        out["rank_down"]["torch_destroy"] = outcome(dist.destroy_process_group)
-    cluster = start()
-    out["rank_up"] = {"form": outcome(form),
-                      "destroy_process_group": outcome(raycoll.destroy_process_group)}
-    if with_torch:
-        import torch.distributed as dist
-
-        out["rank_up"]["torch_destroy"] = outcome(dist.destroy_process_group)
-    stop(cluster)
-
-
-def _spawned(rank: int) -> float:
-    x = np.full(2, rank + 1.0)
-    raycoll.all_reduce(x)
-    return float(x[0])
-
-
-def spawns(out: Dict[str, Any]) -> None:
-    """spawn with one group_name before and after a restart (spawn starts Ray itself)."""
-    options = {"num_cpus": 0}
-    out["spawn"] = [outcome(lambda: raycoll.spawn(_spawned, 2, group_name="sp",
-                                                  actor_options=options))]
-    ray.shutdown()
-    out["spawn"].append(outcome(lambda: raycoll.spawn(_spawned, 2, group_name="sp",
-                                                      actor_options=options)))
-    ray.shutdown()
-
-
-def main() -> None:
-    out: Dict[str, Any] = {"mode": MODE}
-    driver_groups(out)
-    if MODE == "local":
-        try:
-            import torch.distributed  # noqa: F401
-
-            with_torch = True
-        except ImportError:
-            with_torch = False
-        out["torch"] = with_torch
-        driver_rank(out, with_torch)
-        spawns(out)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -75,8 +75,14 @@ def _raised(step: Dict[str, Any], kind: str, what: str, *words: str) -> str:
     return step["msg"]
 
 
-def _check_driver_groups(out: Dict[str, Any]) -> None:
-    assert out["first"] == [6.0] * 3
+def _check(out: Dict[str, Any]) -> None:
+    solo = 6.0 if out["torch"] else 5.0  # 5 from raycoll's all_reduce, 1 from torch's
+    first = out["first"]
+    assert first["totals"] == [6.0] * 3
+    assert _ok(first["solo"], "init_process_group in the driver") == solo
+    assert _ok(first["spawn"], "spawn") == [3.0, 3.0]
+    assert _ok(first["pool"], "RankPool.run") == [3.0, 3.0]
+
     down = out["down"]
     assert _ok(down["destroy_group"], "destroy_group with Ray down") is None
     _raised(down["group_status"], "RaySessionError", "group_status with Ray down",
@@ -84,7 +90,13 @@ def _check_driver_groups(out: Dict[str, Any]) -> None:
     _raised(down["create_group"], "RaySessionError", "create_group with Ray down",
             "not initialized", "create the actors")
     assert not down["spawn_options"]["ok"] and "strem" in down["spawn_options"]["msg"]
+    assert _ok(down["is_initialized"], "is_initialized with Ray down") is False
+    assert _ok(down["destroy_process_group"], "destroy_process_group with Ray down") is None
+    _raised(down["solo_status"], "RaySessionError", "group_status of the driver's group")
+    _ok(down["torch_destroy"], "torch.distributed.destroy_process_group with Ray down")
+    _raised(down["pool"], "RaySessionError", "RankPool.run with Ray down", "ray.init()")
     assert down["ray_started"] is False, "a raycoll call started Ray"
+
     up = out["up"]
     assert _ok(up["destroy_group"], "destroy_group of the ended session's group") is None
     _raised(up["group_status"], "GroupNotFoundError", "group_status of an ended group",
@@ -96,42 +108,34 @@ def _check_driver_groups(out: Dict[str, Any]) -> None:
     _ok(up["create_group"], "create_group of the same name after the restart")
     assert _ok(up["totals"], "all_reduce") == [6.0] * 3
     assert _ok(up["status_ranks"], "group_status") == 3
+    assert _ok(up["solo"], "init_process_group of the same name after the restart") == solo
+    assert _ok(up["spawn"], "spawn of the same group_name after the restart") == [3.0, 3.0]
+    assert _ok(up["pool"], "RankPool.run after the restart") == [3.0, 3.0]
+
     again = out["again"]
     _ok(again["create_group"], "create_group after a restart without destroy_group")
     assert _ok(again["totals"], "all_reduce") == [6.0] * 3
     _ok(again["destroy_group"], "destroy_group")
     _raised(again["destroy_group_twice"], "GroupNotFoundError", "destroy_group twice", "'dp'")
+    _ok(again["torch_destroy_old"], "torch's destroy_process_group of the last session's")
+    assert _ok(again["solo"], "init_process_group without destroy_process_group") == solo
+    for step in ("torch_destroy", "destroy_process_group", "pool_close"):
+        _ok(again[step], step)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(300)
 def test_a_driver_that_restarts_ray_forms_the_same_groups_again():
-    out = _run_driver("local", timeout=380)
-    _check_driver_groups(out)
+    out = _run_driver("local", timeout=280)
+    _check(out)
     assert len({tuple(s) for s in out["sessions"]}) == 3
-    # a driver that is a rank itself (and torch's group on it, when torch is installed)
-    first = _ok(out["rank_first"], "init_process_group in the driver")
-    assert first == (6.0 if out["torch"] else 5.0)  # 5 from raycoll's all_reduce, 1 from torch's
-    down = out["rank_down"]
-    assert _ok(down["is_initialized"], "is_initialized with Ray down") is False
-    assert _ok(down["destroy_process_group"], "destroy_process_group with Ray down") is None
-    _raised(down["group_status"], "RaySessionError", "group_status of the driver's group")
-    if out["torch"]:
-        _ok(down["torch_destroy"], "torch.distributed.destroy_process_group with Ray down")
-    up = out["rank_up"]
-    assert _ok(up["form"], "init_process_group of the same name after the restart") == first
-    _ok(up["destroy_process_group"], "destroy_process_group")
-    if out["torch"]:
-        _ok(up["torch_destroy"], "torch.distributed.destroy_process_group")
-    # spawn with the same group_name before and after a restart (it starts Ray itself)
-    assert [_ok(s, "spawn") for s in out["spawn"]] == [[3.0, 3.0]] * 2
 
 
 @pytest.mark.cluster
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(300)
 def test_a_driver_that_restarts_a_two_node_cluster_forms_the_same_groups_again():
-    out = _run_driver("cluster", timeout=380)
+    out = _run_driver("cluster", timeout=280)
     assert out["nodes"] == 2
-    _check_driver_groups(out)
+    _check(out)
     first, restarted, reconnected = out["sessions"]
     assert first[0] != restarted[0], "the cluster was restarted"
     assert restarted[0] == reconnected[0] and restarted[1] != reconnected[1], \
