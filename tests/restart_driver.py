@@ -1,13 +1,13 @@
 """A driver that restarts Ray the way a notebook user does, run by tests/test_restart.py.
 
-``python tests/restart_driver.py local|cluster``: forms group "dp" among three actors, is a
-rank itself (group "solo", ``init_process_group`` in the driver, and torch's
-``init_process_group("raycoll")`` on it when torch is installed), runs ``spawn`` and a
+``python tests/restart_driver.py local|cluster|torch``: forms group "dp" among three actors,
+is a rank itself (group "solo", ``init_process_group`` in the driver), runs ``spawn`` and a
 ``raycoll.testing.RankPool``; shuts Ray down without destroying anything; calls raycoll's
 functions with Ray down; then does it all again on a new Ray (new actors, the same names),
 twice. ``local`` restarts a local Ray; ``cluster`` a two-node ``ray.cluster_utils.Cluster``
 (the ranks spread over both nodes), and the second time only reconnects to it (a new job:
-another session too).
+another session too). ``torch`` (local) restarts Ray under the driver rank with torch's
+``init_process_group("raycoll")`` on it.
 
 Prints one line ``RESULT {json}``: each step's outcome, ``{"ok": true, "value": ...}`` or
 ``{"ok": false, "type": ..., "is": [its classes], "msg": ..., "cause": ...}``. Shutting Ray
@@ -27,12 +27,8 @@ import raycoll
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "local"
 WORLD = 3
-try:
-    import torch.distributed  # noqa: F401 - torch is an optional extra
-
-    TORCH = True
-except ImportError:
-    TORCH = False
+#: ``torch``: only the driver rank, with torch's group on it (needs torch, an optional extra).
+TORCH = MODE == "torch"
 
 
 @ray.remote(num_cpus=0)
@@ -131,10 +127,32 @@ def run_spawn() -> List[float]:
     return raycoll.spawn(_spawned, 2, group_name="sp", actor_options={"num_cpus": 0})
 
 
+def torch_main() -> None:
+    """The driver is a rank with torch's group on raycoll's: restart Ray under both."""
+    out: Dict[str, Any] = {"mode": MODE}
+    start()
+    out["first"] = outcome(form_solo)
+    stop(None)
+    out["down"] = {"torch_destroy": outcome(torch_destroy),
+                   "is_initialized": outcome(raycoll.is_initialized)}
+    start()
+    out["up"] = {"solo": outcome(form_solo)}
+    stop(None)  # without destroying either group
+    start()
+    out["again"] = {"torch_destroy_old": outcome(torch_destroy), "solo": outcome(form_solo),
+                    "torch_destroy": outcome(torch_destroy),
+                    "destroy_process_group": outcome(raycoll.destroy_process_group)}
+    stop(None)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 def main() -> None:
     from raycoll.testing import RankPool
 
-    out: Dict[str, Any] = {"mode": MODE, "torch": TORCH}
+    if TORCH:
+        torch_main()
+        return
+    out: Dict[str, Any] = {"mode": MODE}
     # the first session: everything formed, nothing destroyed
     cluster = start()
     old = workers()
@@ -154,7 +172,6 @@ def main() -> None:
         "is_initialized": outcome(raycoll.is_initialized),
         "destroy_process_group": outcome(lambda: raycoll.destroy_process_group("solo")),
         "solo_status": outcome(lambda: raycoll.group_status("solo")),
-        "torch_destroy": outcome(torch_destroy),
         "pool": outcome(lambda: pool.run(_spawned, 2)),
     }
     out["down"]["ray_started"] = ray.is_initialized()  # none of them started Ray
@@ -183,9 +200,7 @@ def main() -> None:
         "totals": outcome(lambda: totals(again)),
         "destroy_group": outcome(lambda: raycoll.destroy_group("dp")),
         "destroy_group_twice": outcome(lambda: raycoll.destroy_group("dp")),
-        "torch_destroy_old": outcome(torch_destroy),  # torch's group of the last session
         "solo": outcome(form_solo),
-        "torch_destroy": outcome(torch_destroy),
         "destroy_process_group": outcome(raycoll.destroy_process_group),
         "pool_close": outcome(pool.close),
     }
