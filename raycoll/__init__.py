@@ -3,7 +3,8 @@
 Layers, top to bottom (data flows one way):
 
 - public functions (:mod:`raycoll.collectives`, :mod:`raycoll.object_collectives`,
-  :mod:`raycoll.coalesced`, :mod:`raycoll.groups`, driver-side :mod:`raycoll.launch`):
+  :mod:`raycoll.coalesced`, :mod:`raycoll.groups`, driver-side :mod:`raycoll.launch` and
+  :mod:`raycoll.status`):
   resolve the group, validate, dispatch;
 - :class:`ProcessGroup` (:mod:`raycoll.process_group`, the per-process registry of groups in
   :mod:`raycoll.world`): ranks, sequence numbers, issue order, device -> backend dispatch;
@@ -56,6 +57,7 @@ from raycoll.errors import (
     RankFailedError,
     SpawnError,
     CodeNotShippableError,
+    RaySessionError,
     TensorSizeError,
     UnsupportedOpError,
 )
@@ -65,7 +67,8 @@ from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupMember
 from raycoll.world import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
-from raycoll.launch import create_group, destroy_group, group_status, spawn
+from raycoll.launch import create_group, destroy_group, spawn
+from raycoll.status import group_status
 from raycoll.options import GroupOptions
 from raycoll.object_collectives import (
     all_gather_object,
@@ -126,7 +129,8 @@ __all__ = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
+    "SpawnError", "CodeNotShippableError", "RaySessionError", "TensorSizeError",
+    "UnsupportedOpError",
 ]
 
 #: torch's ``dist.group`` (``group.WORLD``, the default group); no module is named ``group``.

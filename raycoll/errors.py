@@ -15,8 +15,10 @@
     │       └── CoordinatorDiedError        the group's coordinator actor is gone
     ├── BackendUnavailableError             the backend for a device is missing (no cupy, ...)
     ├── SpawnError                          raycoll.spawn: a rank's function raised
-    └── CodeNotShippableError (ImportError) the ranks cannot import the function's module and
-                                            it cannot travel by value (compiled code)
+    ├── CodeNotShippableError (ImportError) the ranks cannot import the function's module and
+    │                                       it cannot travel by value (compiled code)
+    └── RaySessionError                     Ray is not initialized here, or an actor handle
+                                            belongs to a Ray session that has ended
 
 Invalid arguments on the calling rank raise the built-in ``ValueError`` / ``TypeError``, as
 ``torch.distributed`` does, before anything is sent. Two subclasses also derive from what
@@ -28,8 +30,8 @@ torch's backends (and ``ray.util.collective``) raise there, so that code catchin
                                                     (MAX on complex, BAND on float, ...)
 
 The peers of a collective whose arguments a rank rejected are told, and raise
-``PeerArgumentError``. Ray's own exceptions are translated at the backend edge into
-these, with the original chained as ``__cause__``.
+``PeerArgumentError``. Ray's own exceptions are translated at the edge (the backends, and
+the driver-side functions) into these, with the original chained as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "BackendUnavailableError",
     "SpawnError",
     "CodeNotShippableError",
+    "RaySessionError",
     "TensorSizeError",
     "UnsupportedOpError",
 ]
@@ -147,6 +150,13 @@ class SpawnError(RaycollError):
 class CodeNotShippableError(RaycollError, ImportError):
     """:func:`raycoll.spawn`'s function (or an argument) comes from a module the rank
     workers cannot import and that cannot be shipped by value; raised before it runs."""
+
+
+class RaySessionError(RaycollError):
+    """Ray is not initialized in this process, or an actor handle given to raycoll belongs to
+    a Ray session that has ended (``ray.shutdown()``, or ``ray.init()`` again, since the actor
+    was created) or to another cluster: call ``ray.init()`` and create the actors again.
+    Ray's own error, where there is one, is the cause."""
 
 
 class TensorSizeError(ValueError, RuntimeError):

@@ -8,6 +8,7 @@ first rank to arrive starts; no driver help is needed. Groups formed from the dr
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -17,6 +18,7 @@ from raycoll import errors
 from raycoll.backends import backend_config
 from raycoll.coordinator import coordinator_name, start_coordinator
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec, ProcessGroup
+from raycoll.session import ENDED
 from raycoll.world import (
     NON_GROUP_MEMBER,
     GroupLike,
@@ -26,6 +28,8 @@ from raycoll.world import (
     world,
 )
 from raycoll.work import to_seconds
+
+logger = logging.getLogger("raycoll")
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
@@ -94,6 +98,7 @@ def init_process_group(
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     backend_config(backend)  # reject a bad backend string before anything is sent
     w = world()
+    w.drop_ended()  # groups of a Ray session that has ended (this process restarted Ray)
     with w.lock:
         default = w.default
         if default is not None and group_name in (_DEFAULT_NAME, default.name):
@@ -132,8 +137,12 @@ _DEFAULT_NAME = "default"  # init_process_group's group_name when none is given
 
 
 def destroy_process_group(group: GroupLike = None) -> None:
-    """Destroy ``group`` (and its subgroups) in this process; ``None``: every group here."""
+    """Destroy ``group`` (and its subgroups) in this process; ``None``: every group here.
+
+    A group formed in a Ray session that has since ended (``ray.shutdown()``, or a new
+    ``ray.init()``, in this process) was already forgotten: destroying it does nothing."""
     w = world()
+    w.drop_ended()
     if group is None:
         with w.lock:
             roots = [pg for pg in w.groups.values() if "/" not in pg.name]
@@ -143,6 +152,9 @@ def destroy_process_group(group: GroupLike = None) -> None:
     if isinstance(group, _NonMember):
         return
     target: Union[ProcessGroup, _NonMember]
+    if isinstance(group, (str, ProcessGroup)) and w.ended(group):
+        logger.debug("raycoll: destroy_process_group(%r): %s; nothing to do", group, ENDED)
+        return
     if isinstance(group, str):  # by name, without the usability check: broken groups too
         with w.lock:
             found = w.groups.get(group)
@@ -160,16 +172,21 @@ def _leave(pg: ProcessGroup) -> None:
     client = pg.client
     try:
         result = client.leave(pg.rank())
-    except errors.RaycollError:
-        return  # the coordinator is already gone: nothing to leave
-    if pg.by_name and result and result.get("all_left"):
-        ray.kill(client.handle, no_restart=True)
+        if pg.by_name and result and result.get("all_left"):
+            ray.kill(client.handle, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - Ray refused the handle: nothing left to leave
+        # a RaycollError (the coordinator is gone), or Ray's own when the coordinator's
+        # handle is not valid any more
+        logger.debug("raycoll: leaving group %r: the coordinator is gone (%s: %s)", pg.name,
+                     type(exc).__name__, exc)
 
 
 
 def is_initialized() -> bool:
-    """True when this process has a default group."""
-    return world().default is not None
+    """True when this process has a default group (of the Ray session connected now)."""
+    w = world()
+    w.drop_ended()
+    return w.default is not None
 
 
 def get_group(name: str) -> ProcessGroup:

@@ -5,13 +5,18 @@ namespaced by the job so two jobs never meet) and has every actor join it, in li
 Ray's ``__ray_call__`` (so any actor class works unchanged). ``spawn(fn, world_size, ...)``
 is ``torch.multiprocessing.spawn`` for Ray: it starts the actors, forms the group, runs
 ``fn(rank, *args)`` everywhere, returns the results in rank order and cleans up.
+
+What the driver records (each group by name, with its coordinator's handle and its actors)
+belongs to the Ray session it was made in (:class:`raycoll.session.SessionRecords`): after
+``ray.shutdown()`` or a new ``ray.init()`` it is forgotten, so the same names form again at
+once and destroying a name of the ended session does nothing. Ray's exceptions are translated
+here into raycoll's, the original chained as the cause.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,10 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors
+from raycoll import errors, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
-from raycoll.transport.base import report_period_s
 from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.world import join_root_group, world
@@ -32,12 +36,10 @@ from raycoll.work import to_seconds
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["create_group", "destroy_group", "spawn", "run_on", "group_status"]
+__all__ = ["create_group", "destroy_group", "spawn", "run_on", "DRIVER_GROUPS"]
 
 #: How long driver-side teardown waits for busy or dead actors.
 _TEARDOWN_S = 10.0
-#: The longest group_status waits for late progress reports of a round transport.
-_STATUS_WAIT_MAX_S = 5.0
 
 
 @dataclass
@@ -46,8 +48,9 @@ class _DriverGroup:
     actors: List[ActorHandle]
 
 
-_lock = threading.Lock()
-_groups: Dict[str, _DriverGroup] = {}
+#: The groups this process formed, by name, each of the Ray session it was formed in (read by
+#: :mod:`raycoll.status`).
+DRIVER_GROUPS: session.SessionRecords[_DriverGroup] = session.SessionRecords("group")
 
 
 def _join(actor_self: Any, spec: GroupSpec, rank: int) -> None:
@@ -75,6 +78,11 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     ``{"transport": "tcp"}`` or a :class:`~raycoll.GroupOptions` (the names, their types and
     defaults are listed there). An unknown name or a bad value raises ``ValueError`` naming
     the option before anything starts.
+
+    A name is taken only within the Ray session it was formed in: after ``ray.shutdown()``
+    and ``ray.init()`` it can be formed again at once. Actors of an ended session (or with
+    Ray not initialized) raise :class:`~raycoll.errors.RaySessionError`; a dead actor
+    :class:`~raycoll.errors.RankFailedError`.
     """
     if not isinstance(actors, (list, tuple)) or not actors:
         raise ValueError("actors must be a non-empty list of Ray actor handles")
@@ -89,30 +97,53 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     backend_config(backend)  # reject a bad backend string before starting anything
     group_options = GroupOptions.of(options)
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
-    with _lock:
-        if group_name in _groups:
-            raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
-                             "first or pick another group_name")
-        _groups[group_name] = _DriverGroup(GroupSpec(group_name, 0, backend, seconds, None), [])
+    now = session.require(f"create_group(group_name={group_name!r})")
+    placeholder = _DriverGroup(GroupSpec(group_name, 0, backend, seconds, None), [])
+    if not DRIVER_GROUPS.add(group_name, placeholder, now):
+        raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
+                         "first or pick another group_name")
+    handle = None
     try:
-        job = ray.get_runtime_context().get_job_id()
         try:
-            handle = start_coordinator(group_name, len(actors), coordinator_name(job, group_name))
+            handle = start_coordinator(group_name, len(actors), coordinator_name(now[1], group_name))
         except ValueError as exc:  # the name is taken: another process of this job made it
             raise ValueError(f"group {group_name!r} already exists in this job") from exc
         spec = GroupSpec(group_name, len(actors), backend, seconds, handle, group_options)
-        refs = [a.__ray_call__.remote(_join, spec, rank) for rank, a in enumerate(actors)]
+        refs = [_submit(a, rank, group_name, _join, spec, rank) for rank, a in enumerate(actors)]
         _wait_joined(refs, seconds, group_name)
     except BaseException:
-        with _lock:
-            entry = _groups.pop(group_name, None)
-        if entry is not None and entry.spec.coordinator is not None:
-            ray.kill(entry.spec.coordinator)
-        if "handle" in locals():
-            ray.kill(handle)
+        DRIVER_GROUPS.pop(group_name, now)
+        if handle is not None:
+            _kill(handle)
         raise
-    with _lock:
-        _groups[group_name] = _DriverGroup(spec, list(actors))
+    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors)), now)
+
+
+def _submit(actor: ActorHandle, rank: int, group_name: str, fn: Callable[..., Any],
+            *args: Any) -> Any:
+    """``actor.__ray_call__.remote(fn, *args)``, or RaySessionError where Ray refuses the
+    handle (it is from a Ray session that has ended, or from another cluster)."""
+    try:
+        return actor.__ray_call__.remote(fn, *args)
+    except Exception as exc:  # Ray raises a bare Exception ("Can't find actor ...")
+        raise errors.RaySessionError(
+            f"group {group_name!r}: Ray cannot reach the actor of rank {rank}: its handle is "
+            "from a Ray session that has ended (ray.shutdown() or ray.init() since the actor "
+            "was created) or from another cluster; create the actors again in this session "
+            f"(Ray said: {_first_line(exc)})") from exc
+
+
+def _kill(actor: ActorHandle) -> None:
+    """``ray.kill``, quietly: teardown of an actor that may be gone already."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - a handle Ray does not know any more
+        logger.debug("raycoll: ray.kill failed (%s: %s)", type(exc).__name__, _first_line(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _wait_joined(refs: List[Any], timeout_s: float, group_name: str) -> None:
@@ -146,12 +177,21 @@ def _wait_joined(refs: List[Any], timeout_s: float, group_name: str) -> None:
 def destroy_group(group_name: str = "default") -> None:
     """Destroy a group formed with :func:`create_group`: actors forget it, the coordinator
     stops. Actors that are busy or dead are not waited for beyond a few seconds. The same
-    name can be formed again afterwards."""
-    with _lock:
-        entry = _groups.pop(group_name, None)
+    name can be formed again afterwards.
+
+    A group of a Ray session that has ended (``ray.shutdown()`` or a new ``ray.init()`` since
+    it was formed) is gone with it: destroying it does nothing. A name never formed here
+    raises :class:`~raycoll.errors.GroupNotFoundError`."""
+    now = session.current()
+    entry = DRIVER_GROUPS.pop(group_name, now)
     if entry is None:
-        raise ValueError(f"no group {group_name!r} was created from this process; "
-                         f"groups: {sorted(_groups)}")
+        if DRIVER_GROUPS.ended(group_name, now):
+            logger.debug("raycoll: destroy_group(%r): the group's Ray session ended; nothing "
+                         "to do", group_name)
+            return
+        raise errors.GroupNotFoundError(
+            f"destroy_group: no group {group_name!r} was created from this process in this Ray "
+            f"session; groups: {DRIVER_GROUPS.names(now)}")
     refs = []
     for actor in entry.actors:
         try:
@@ -162,136 +202,11 @@ def destroy_group(group_name: str = "default") -> None:
         ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
     coordinator = entry.spec.coordinator
     if coordinator is not None:
-        ray.kill(coordinator, no_restart=True)
+        _kill(coordinator)
         try:  # wait for the name to be released, so the group can be formed again at once
             ray.get(coordinator.__ray_ready__.remote(), timeout=_TEARDOWN_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except Exception:  # noqa: BLE001 - RayActorError (gone, as wanted), a timeout, ...
             pass
-
-
-def group_status(group_name: str = "default") -> Dict[str, Any]:
-    """Where every rank of a group is, from its coordinator: for a notebook or a hung job.
-
-    Works for groups made with :func:`create_group` or :func:`spawn` from this process, for
-    groups this process is a rank of, and, by name, for groups the ranks formed themselves
-    with ``init_process_group`` in this Ray job. A subgroup's name (``"dp/0-1#0"``) gives
-    that subgroup's view. Returns::
-
-        {
-          "group": "dp", "world_size": 4, "generation": 0,
-          "broken": None,            # or the error that broke the group
-          "transport": "tcp",        # its round transport ("lane", "tcp"), None before one
-          "algorithms": {"all_reduce": "hierarchical", ...},  # the last one each collective
-                                     # ran with on direct connections (the cost model's pick)
-          "ranks": {                 # by global rank
-            0: {"last_collective": ("all_reduce", 12), "waiting": True, "joined": False,
-                "counters": {...}},  # on direct connections: ProcessGroup.counters()
-            3: {"last_collective": ("join", 12), "waiting": True, "joined": True},
-            ...                      # last_collective is None before the first collective
-          },
-          "joined": [3],             # ranks that joined the Join in progress, in join order
-          "last_join": None,         # or {"join_order", "last_joiners", "final_seq",
-                                     #      "terminated_early"} of the last finished Join
-          "subgroups": {name: {"ranks", "joined", "last_join", "broken"}},
-          "summary": "rank 0: waiting in all_reduce #12\n...",
-        }
-
-    ``waiting`` means the rank has arrived at ``last_collective`` and it has not completed
-    (others are missing); a joined rank shadows the others' collectives until all have
-    joined.
-    """
-    root = group_name.split("/", 1)[0]
-    with world().lock:
-        mine = [pg for name, pg in world().groups.items()
-                if name == root or name.startswith(root + "/")]
-    for pg in mine:  # this process is a rank: what its lane knows goes first
-        pg.report_progress()
-    client = _status_client(root)
-    raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
-    periods = [g.get("report_period_s") or report_period_s() for g in raw.get("groups",
-                                                                              {}).values()
-               if isinstance(g, dict) and g.get("transport")]
-    if periods:
-        # ranks report their round transport's collectives at most a period late (a node's
-        # ranks share one period's worth of reports): ask again after the longest
-        time.sleep(min(max(periods), _STATUS_WAIT_MAX_S) + 0.05)
-        raw = client.status(_TEARDOWN_S, where={"op": "group_status", "group": root})
-    groups = raw.get("groups", {})
-    view = _group_view(group_name, groups.get(group_name, {}),
-                       range(raw["world_size"]) if group_name == root else ())
-    out: Dict[str, Any] = {"group": group_name, "world_size": len(view["ranks"]),
-                           "generation": raw.get("generation"), **view}
-    if group_name == root:
-        out["subgroups"] = {k: _group_view(k, v, ()) for k, v in groups.items()
-                            if k.startswith(root + "/")}
-    out["summary"] = _summary(out)
-    return out
-
-
-def _status_client(root: str) -> CoordinatorClient:
-    """The coordinator of root group ``root``: created here, joined here, or found by name."""
-    with _lock:
-        entry = _groups.get(root)
-    if entry is not None and entry.spec.coordinator is not None:
-        return CoordinatorClient(entry.spec.coordinator, root)
-    with world().lock:
-        pg = world().groups.get(root)
-    if pg is not None:
-        return pg.client
-    if ray.is_initialized():
-        job = ray.get_runtime_context().get_job_id()
-        try:
-            return CoordinatorClient(ray.get_actor(coordinator_name(job, root)), root)
-        except ValueError:
-            pass
-    with _lock:
-        known = sorted(_groups)
-    raise ValueError(f"group_name={root!r}: no such group in this Ray job (none was created "
-                     f"from this process under that name, this process is not one of its "
-                     f"ranks, and no coordinator of that name is running); groups created "
-                     f"here: {known}")
-
-
-def _group_view(name: str, raw: Dict[Any, Any], all_ranks: Any) -> Dict[str, Any]:
-    """The friendly per-rank view of one group's entry of ``Coordinator.status``."""
-    ranks: Dict[int, Dict[str, Any]] = {}
-    for g in sorted(set(all_ranks) | {k for k in raw if isinstance(k, int)}):
-        info = raw.get(g, {})
-        current, done = info.get("current"), info.get("last_completed")
-        # the newer of the two (a rank's lane collectives update only last_completed)
-        waiting = current is not None and (done is None or tuple(current) != tuple(done)
-                                           and current[1] >= done[1])
-        last = current if waiting else done
-        ranks[g] = {"last_collective": tuple(last) if last else None,
-                    "waiting": waiting,
-                    "joined": bool(info.get("joined", False))}
-        if "counters" in info:  # reported with its progress on direct connections
-            ranks[g]["counters"] = info["counters"]
-    join = raw.get("join") or {}
-    # every rank chooses alike: the lowest reporting rank speaks for the group
-    algorithms = next((dict(raw[g]["algorithms"]) for g in sorted(ranks)
-                       if isinstance(raw.get(g), dict) and raw[g].get("algorithms")), {})
-    return {"ranks": ranks, "joined": list(join.get("joined", [])),
-            "last_join": join.get("last"), "broken": raw.get("broken"),
-            "transport": raw.get("transport"), "algorithms": algorithms}
-
-
-def _summary(status: Dict[str, Any]) -> str:
-    lines = [f"group {status['group']!r}: {status['world_size']} ranks"
-             + (f" on {status['transport']}" if status.get("transport") else "")
-             + (f", BROKEN: {status['broken']}" if status.get("broken") else "")]
-    if status.get("algorithms"):
-        lines.append("algorithms: " + ", ".join(f"{c} {a}" for c, a in
-                                                sorted(status["algorithms"].items())))
-    for g, info in status["ranks"].items():
-        last = info["last_collective"]
-        if last is None:
-            where = "no collective yet"
-        else:
-            where = f"{'waiting in' if info['waiting'] else 'done with'} {last[0]} #{last[1]}"
-        lines.append(f"rank {g}: {where}" + (" (joined: shadowing the others)"
-                                             if info["joined"] else ""))
-    return "\n".join(lines)
 
 
 class RankWorker:
@@ -335,7 +250,8 @@ def _check_feasible(world_size: int, options: Dict[str, Any]) -> None:
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Optional[dict] = None,
           backend: Optional[str] = None, actor_options: Optional[Dict[str, Any]] = None,
-          group_name: Optional[str] = None, timeout: Any = None) -> List[Any]:
+          group_name: Optional[str] = None, timeout: Any = None,
+          options: OptionsLike = None) -> List[Any]:
     """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` new actors forming one group.
 
     Returns the per-rank results in rank order. If a rank raises, the group is aborted (so
@@ -357,6 +273,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     (``RAYCOLL_SOCKET_IFNAME``'s address, else its node's IP when the cluster has several
     nodes, else 127.0.0.1) and a port free there when ``spawn`` looked (not reserved), where
     torch's ``env://`` rendezvous (``init_process_group("gloo")``) can put its store.
+
+    ``backend``, ``group_name``, ``timeout`` and ``options`` (the group's options: a dict
+    such as ``{"transport": "tcp"}`` or a :class:`~raycoll.GroupOptions`) are
+    :func:`create_group`'s, checked alike before any actor starts. With Ray not initialized,
+    ``spawn`` starts a local Ray.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -364,6 +285,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if group_name is not None and (not isinstance(group_name, str) or not group_name
+                                   or "/" in group_name):
+        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
+    backend_config(backend)  # as create_group: refused before any actor starts
+    group_options = GroupOptions.of(options)
     if not ray.is_initialized():
         start_ray()
     options = dict(actor_options or {})
@@ -373,10 +299,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: Opt
     actors = [_SpawnWorker.options(**options).remote() for _ in range(world_size)]
     try:
         return run_on(actors, fn, args, kwargs, group_name=name, backend=backend, timeout=seconds,
-                      torchrun_env=True)
+                      torchrun_env=True, options=group_options)
     finally:
         for actor in actors:
-            ray.kill(actor, no_restart=True)
+            _kill(actor)
 
 
 def run_on(actors: Sequence[ActorHandle], fn: Callable[..., Any], args: tuple = (),
@@ -440,8 +366,9 @@ def _export_env(actor_self: Any, group_name: str, rank: int, master: Tuple[str, 
 
 
 def _set_torchrun_env(actors: Sequence[ActorHandle], group_name: str, timeout_s: float) -> None:
-    master = ray.get(actors[0].__ray_call__.remote(_master_endpoint), timeout=timeout_s)
-    refs = [a.__ray_call__.remote(_export_env, group_name, rank, master)
+    master = _collect([_submit(actors[0], 0, group_name, _master_endpoint)], group_name,
+                      timeout_s)[0]
+    refs = [_submit(a, rank, group_name, _export_env, group_name, rank, master)
             for rank, a in enumerate(actors)]
     _collect(refs, group_name, timeout_s)
 
@@ -460,17 +387,33 @@ def _collect(refs: List[Any], group_name: str, timeout_s: float) -> List[Any]:
             ray.get(ref, timeout=_TEARDOWN_S)
         except Exception as exc:  # noqa: BLE001 - re-raised below with the rank
             _abort(group_name, f"rank {rank} raised {type(exc).__name__} in spawn")
-            cause = exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc
-            message = f"spawn: rank {rank} failed: {type(cause).__name__}: {cause}"
-            if isinstance(exc, ray.exceptions.RayTaskError):
-                message += f"\n{exc.traceback_str}" if getattr(exc, "traceback_str", "") else ""
-            raise errors.SpawnError(message, rank=rank) from cause
-    return ray.get(refs, timeout=_TEARDOWN_S)
+            raise _rank_error(exc, rank) from (
+                exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc)
+    try:
+        return ray.get(refs, timeout=_TEARDOWN_S)
+    except Exception as exc:  # all were ready a moment ago: Ray lost a result
+        raise errors.SpawnError(f"spawn: the ranks' results could not be read ({exc})",
+                                rank=-1) from exc
+
+
+def _rank_error(exc: BaseException, rank: int) -> errors.SpawnError:
+    """The SpawnError for rank ``rank``'s failure ``exc`` (raised from its cause)."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.as_instanceof_cause()
+        message = f"spawn: rank {rank} failed: {type(cause).__name__}: {cause}"
+        tb = getattr(exc, "traceback_str", "")
+        return errors.SpawnError(message + (f"\n{tb}" if tb else ""), rank=rank)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return errors.SpawnError(
+            f"spawn: the actor of rank {rank} died ({_first_line(exc)}): its process exited or "
+            "was killed, or its node was lost; the others were aborted. Check the rank's "
+            "memory and actor_options, and run spawn again", rank=rank)
+    return errors.SpawnError(f"spawn: rank {rank} failed: {type(exc).__name__}: {exc}",
+                             rank=rank)
 
 
 def _abort(group_name: str, reason: str) -> None:
-    with _lock:
-        entry = _groups.get(group_name)
+    entry = DRIVER_GROUPS.get(group_name, session.current())
     if entry is not None and entry.spec.coordinator is not None:
         CoordinatorClient(entry.spec.coordinator, group_name).submit_abort(
             group_name, "aborted", reason, {})

@@ -5,7 +5,10 @@
 on each rank, destroys the group and returns the results in rank order (a rank's exception is
 re-raised as :class:`raycoll.SpawnError`, after the others were released);
 ``pool.run(fn, world_size, options={"transport": "store"})`` forms the group with those group
-options, as ``create_group`` takes them. Actors that died are replaced before the next run. ``local_ray`` starts a small local Ray if none is running.
+options, as ``create_group`` takes them. Actors that died are replaced before the next run,
+and all of them after a Ray restart (``ray.shutdown()`` and ``ray.init()``: the pool's
+actors belong to the session they were started in). ``local_ray`` starts a small local Ray
+if none is running.
 
 With pytest, the ``raycoll`` plugin (:mod:`raycoll.pytest_plugin`, installed with raycoll and
 loaded automatically) gives these as fixtures::
@@ -33,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import ray
 
+from raycoll import session
 from raycoll.launch import RankWorker, run_on, start_ray
 from raycoll.options import GroupOptions, OptionsLike
 
@@ -73,6 +77,7 @@ class RankPool:
                  actor_options: Optional[Dict[str, Any]] = None) -> None:
         self._options = dict(actor_options or {"num_cpus": 0})
         self._actors: List[Any] = [self._new() for _ in range(max_world_size)]
+        self._session = session.current()  # Ray is initialized now, if it was not
 
     def _new(self) -> Any:
         return _Worker.options(**self._options).remote()
@@ -113,6 +118,11 @@ class RankPool:
                       backend=backend, timeout=timeout, options=group_options)
 
     def _replace_dead(self) -> None:
+        now = session.require("RankPool.run")
+        if now != self._session:  # Ray restarted: the old actors went with their session
+            self._session = now
+            self._actors = [self._new() for _ in self._actors]
+            return
         refs = [a.__ray_ready__.remote() for a in self._actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
         for i, ref in enumerate(refs):
@@ -123,7 +133,9 @@ class RankPool:
                 self._actors[i] = self._new()
 
     def close(self) -> None:
-        """Kill the pool's actors (the pool cannot run anything afterwards)."""
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
+        """Kill the pool's actors (the pool cannot run anything afterwards); actors of a Ray
+        session that has ended are gone already."""
+        if session.current() == self._session:
+            for actor in self._actors:
+                ray.kill(actor, no_restart=True)
         self._actors = []

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from raycoll import errors
+from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.coordinator import CoordinatorClient, rank_info
@@ -83,6 +84,9 @@ class _World:
         self.default: Optional[ProcessGroup] = None
         self.destroyed: Dict[str, str] = {}
         self.default_destroyed: Optional[Tuple[str, str]] = None  # (name, reason), until a new one
+        # root group -> the Ray session it was formed in (see drop_ended)
+        self.sessions: Dict[str, Optional[session.SessionKey]] = {}
+        self._ended: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
     def add(self, pg: ProcessGroup, make_default: bool) -> None:
         with self.lock:
@@ -137,6 +141,7 @@ class _World:
     def remove(self, name: str, reason: str) -> List[ProcessGroup]:
         """Remove ``name`` and its subgroups; return what was removed."""
         with self.lock:
+            self.sessions.pop(name, None)
             gone = [pg for n, pg in self.groups.items() if n == name or n.startswith(name + "/")]
             for pg in gone:
                 del self.groups[pg.name]
@@ -148,6 +153,34 @@ class _World:
         for pg in gone:
             pg.close(reason)
         return gone
+
+    def drop_ended(self) -> List[str]:
+        """Forget the root groups (with their subgroups) formed in a Ray session other than
+        the one connected now (a driver that was a rank, then restarted Ray): their
+        coordinators and peers are gone. They then report as destroyed (:data:`ENDED
+        <raycoll.session.ENDED>`). Returns their names. Asks Ray nothing when this process
+        has no root group."""
+        with self.lock:
+            if not self.sessions:
+                return []
+            now = session.current()
+            gone = [name for name, made_in in self.sessions.items() if made_in != now]
+        for name in gone:
+            logger.debug("raycoll: forgot group %r: %s", name, session.ENDED)
+            try:
+                self._ended.update(self.remove(name, session.ENDED))
+            except Exception:  # noqa: BLE001 - its transports belonged to a dead session
+                logger.debug("raycoll: closing group %r of an ended Ray session failed", name,
+                             exc_info=True)
+        return gone
+
+    def ended(self, group: Union[str, ProcessGroup]) -> bool:
+        """Whether ``group`` (a name, or a group object) was forgotten because its Ray
+        session ended (a name only until a group of that name is formed again)."""
+        with self.lock:
+            if isinstance(group, str):
+                return self.destroyed.get(group) == session.ENDED
+            return group in self._ended
 
 
 _WORLD = _World()
@@ -175,6 +208,7 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     with w.lock:
         default = w.default is None if make_default is None else make_default
         w.add(pg, make_default=default)
+        w.sessions[spec.name] = session.current()
     logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
     return pg
 

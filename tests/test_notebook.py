@@ -1,4 +1,5 @@
-"""examples/notebook.ipynb, executed top to bottom as a user's Jupyter kernel would run it.
+"""examples/notebook.ipynb, executed as a user's Jupyter kernel runs it: twice in one kernel,
+with ``ray.shutdown()`` between.
 
 nbclient starts a fresh ``python3`` kernel process; the notebook starts its own local Ray in
 it (``address="local"``, so it never attaches to this test session's Ray or to any other
@@ -46,15 +47,8 @@ def _value(stdout: str, label: str) -> Any:
     return ast.literal_eval(match.group(1))
 
 
-@pytest.mark.timeout(600)
-def test_notebook_runs_top_to_bottom(tmp_path):
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(
-        nb, timeout=400, startup_timeout=180, kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()  # raises CellExecutionError (with the traceback) if a cell fails
-    cells = _outputs_by_tag(nb)
-
+def _check_outputs(cells: Dict[str, Dict[str, Any]]) -> None:
+    """What one run of the notebook printed and drew."""
     assert cells["start"]["data"][0]["text/plain"] == "4.0"
     assert _value(cells["group"]["stdout"], "ranks") == [(0, 3), (1, 3), (2, 3)]
 
@@ -81,7 +75,33 @@ def test_notebook_runs_top_to_bottom(tmp_path):
     assert _value(params, "largest difference between ranks") == 0.0
     assert _value(params, "error against the true model") < 0.1
 
-    assert "shutdown" in cells  # the last cell ran: destroy_group and ray.shutdown()
+
+@pytest.mark.timeout(900)
+def test_notebook_runs_twice_in_one_kernel_across_a_ray_restart(tmp_path):
+    """As a user re-runs it: top to bottom but its clean-up cell (group "nb" stays formed),
+    then ``ray.shutdown()`` in the same kernel, then the whole notebook again. The second
+    run starts a new Ray, new actors and forms "nb" again while the kernel still remembers
+    the first; both runs give the same results, and the last cell (destroy_group,
+    ray.shutdown()) runs at the end."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=400, startup_timeout=180, kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}})
+    last = max(i for i, c in enumerate(nb.cells) if "shutdown" in c.metadata.get("tags", []))
+    with client.setup_kernel():  # one kernel for both runs
+        for index in range(last):  # raises CellExecutionError (with the traceback) on failure
+            client.execute_cell(nb.cells[index], index)
+        first = _outputs_by_tag(nb)
+        assert nb.cells[last].execution_count is None  # "nb" stays formed
+        nb.cells.append(nbformat.v4.new_code_cell("ray.shutdown()"))  # the user's restart
+        client.execute_cell(nb.cells[-1], len(nb.cells) - 1)
+        nb.cells.pop()
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+        second = _outputs_by_tag(nb)
+        assert nb.cells[last].execution_count is not None  # destroy_group, ray.shutdown()
+    _check_outputs(first)
+    _check_outputs(second)
 
 
 def test_notebook_is_committed_without_outputs():

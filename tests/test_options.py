@@ -1,5 +1,6 @@
 """Group options (:mod:`raycoll.options`): built once from the user's dict, frozen, validated;
-unknown names and bad values are refused by ``create_group`` before anything starts."""
+unknown names and bad values are refused by ``create_group`` and ``spawn`` before anything
+starts."""
 
 from __future__ import annotations
 
@@ -126,12 +127,12 @@ def test_a_dict_and_a_group_options_both_reach_every_rank(ranks: Any, given: Any
 
 @pytest.mark.timeout(120)
 def test_the_pool_refuses_a_bad_option_before_it_forms_a_group(ranks: Any):
-    groups = set(raycoll.launch._groups)
+    groups = raycoll.launch.DRIVER_GROUPS.names(raycoll.session.current())
     with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
         ranks.run(_seen, 2, options={"strem": False})
     with pytest.raises(TypeError, match=r"options must be a dict of group options"):
         ranks.run(_seen, 2, options=["transport"])
-    assert set(raycoll.launch._groups) == groups
+    assert raycoll.launch.DRIVER_GROUPS.names(raycoll.session.current()) == groups
 
 
 @pytest.mark.timeout(120)
@@ -148,3 +149,33 @@ def test_create_group_refuses_an_unknown_option_before_anything_starts(rank_acto
     # and a group formed without options is on the lane by default
     got = ranks.run(_seen, 2)
     assert [g["transport"] for g in got] == ["lane", "lane"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("given", [{"transport": "store", "inline_bytes": 0},
+                                   GroupOptions(transport="store", inline_bytes=0)],
+                         ids=["dict", "GroupOptions"])
+def test_spawn_forms_its_group_with_the_options(ray_local: Any, given: Any):
+    """``spawn(..., options=...)`` takes them as ``create_group`` does: every rank's group
+    has them, and the store (not the lane a one-node group gets by default) carried the
+    all_reduce."""
+    got = raycoll.spawn(_seen, 2, options=given, actor_options={"num_cpus": 0})
+    for rank in got:
+        assert rank["sum"] == [3.0] * 4
+        assert rank["options"] == GroupOptions(transport="store", inline_bytes=0)
+        assert rank["transport"] == "store" and rank["lane_calls"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_spawn_refuses_a_bad_option_before_any_actor_starts(ray_local: Any):
+    """Checked first, as in create_group: the resources asked for here can never be
+    scheduled, and the option's error, not that one, is what comes back."""
+    never = {"num_cpus": 0, "resources": {"no-such-resource": 1}}
+    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
+        raycoll.spawn(_seen, 2, options={"strem": False}, actor_options=never)
+    with pytest.raises(ValueError, match=r"group option lane_bytes: expected an int >= 0"):
+        raycoll.spawn(_seen, 2, options={"lane_bytes": -4}, actor_options=never)
+    with pytest.raises(TypeError, match=r"options must be a dict of group options"):
+        raycoll.spawn(_seen, 2, options=["transport"], actor_options=never)
+    with pytest.raises(ValueError, match="can never be scheduled"):  # the check that came next
+        raycoll.spawn(_seen, 2, options={"transport": "store"}, actor_options=never)

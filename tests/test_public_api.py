@@ -39,7 +39,8 @@ EXPECTED = [
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
-    "SpawnError", "CodeNotShippableError", "TensorSizeError", "UnsupportedOpError",
+    "SpawnError", "CodeNotShippableError", "RaySessionError", "TensorSizeError",
+    "UnsupportedOpError",
 ]
 
 

@@ -185,7 +185,11 @@ def _kept(store: dist.Store) -> dist.Store:
 
 # ---------------------------------------------------------------------- rendezvous
 def _default_group() -> Optional[RaycollGroup]:
-    return world().default
+    """This rank's default raycoll group, of the Ray session connected now (a driver that
+    restarted Ray has none left from before)."""
+    w = world()
+    w.drop_ended()
+    return w.default
 
 
 def _rank_and_size(url: str) -> Tuple[int, int]:
