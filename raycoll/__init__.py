@@ -94,6 +94,7 @@ from raycoll.groups import (
     split_group,
 )
 from raycoll.reduce_op import ReduceOp
+from raycoll.store import PrefixStore, Store, get_store
 from raycoll.work import Future, Work
 from raycoll import torch_backend as _torch_backend
 
@@ -114,6 +115,8 @@ __all__ = [
     "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
+    # the key-value store
+    "Store", "PrefixStore", "get_store",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs

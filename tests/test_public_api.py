@@ -28,6 +28,8 @@ EXPECTED = [
     "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
+    # the key-value store
+    "Store", "PrefixStore", "get_store",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     # uneven inputs
