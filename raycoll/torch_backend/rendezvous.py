@@ -53,7 +53,7 @@ class RaycollStore(dist.Store):
 
     def _timed(self) -> Store:
         """raycoll's store, waiting as long as torch's timeout for this store says."""
-        timeout = self.timeout
+        timeout = self.timeout  # type: ignore[attr-defined]  # torch's stubs omit it
         if timeout > timedelta(0) and timeout != self._store.timeout:
             self._store.set_timeout(timeout)
         return self._store
