@@ -17,7 +17,29 @@ Layers, top to bottom (data flows one way):
 (``init_process_group("raycoll")``); importing raycoll registers it without importing torch.
 """
 
+from raycoll.availability import (
+    ProcessGroupGloo,
+    get_default_backend_for_device,
+    is_backend_available,
+    is_gloo_available,
+    is_mpi_available,
+    is_torchelastic_launched,
+    is_ucc_available,
+    is_xccl_available,
+)
 from raycoll.backends import Backend, BackendConfig, is_nccl_available
+from raycoll.call_options import (
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+from raycoll import coalesced as _coalesced, collectives as _collectives
 from raycoll.coalesced import all_gather_coalesced, all_reduce_coalesced
 from raycoll.collectives import (
     P2POp,
@@ -42,6 +64,7 @@ from raycoll.collectives import (
     scatter,
     send,
 )
+from raycoll.debug import DebugLevel, get_debug_level, record_comm
 from raycoll.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -89,6 +112,10 @@ from raycoll.groups import (
     get_process_group_ranks,
     get_rank,
     get_world_size,
+    GroupName,
+    default_pg_timeout,
+    get_pg_count,
+    shrink_group,
     init_process_group,
     is_available,
     is_initialized,
@@ -97,7 +124,9 @@ from raycoll.groups import (
     new_subgroups_by_enumeration,
     split_group,
 )
-from raycoll.reduce_op import ReduceOp
+from raycoll.object_api import provide as _provide_object_api
+from raycoll.reduce_op import ReduceOp, supports_complex
+from raycoll.store import PrefixStore, Store, get_store
 from raycoll.work import Future, Work
 from raycoll import torch_backend as _torch_backend
 
@@ -109,7 +138,8 @@ __all__ = [
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
     "get_node_local_rank", "is_available", "get_backend", "get_backend_config", "group",
-    "new_subgroups_by_enumeration", "split_group",
+    "new_subgroups_by_enumeration", "split_group", "shrink_group", "get_pg_count", "GroupName",
+    "default_pg_timeout",
     # collectives
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
@@ -118,6 +148,16 @@ __all__ = [
     "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
+    # the ProcessGroup object API's options
+    "AllreduceOptions", "AllreduceCoalescedOptions", "AllToAllOptions", "BarrierOptions",
+    "BroadcastOptions", "GatherOptions", "ReduceOptions", "ReduceScatterOptions",
+    "ScatterOptions",
+    # the key-value store
+    "Store", "PrefixStore", "get_store",
+    # availability and debugging
+    "is_backend_available", "is_gloo_available", "is_mpi_available", "is_ucc_available",
+    "is_xccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
+    "supports_complex", "ProcessGroupGloo", "DebugLevel", "get_debug_level", "record_comm",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     "native_available", "native_status",
@@ -135,5 +175,9 @@ __all__ = [
 
 #: torch's ``dist.group`` (``group.WORLD``, the default group); no module is named ``group``.
 group = _world_group
+
+# ProcessGroup's object API (pg.allreduce([t], opts)) calls the module functions, which sit
+# above ProcessGroup: they are handed down here rather than imported from below
+_provide_object_api(_collectives, _coalesced)
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

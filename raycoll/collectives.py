@@ -18,6 +18,7 @@ import numpy as np
 
 from raycoll import errors
 from raycoll.backends.base import CollectiveBackend
+from raycoll.call_options import call_timeout_s
 from raycoll.context import Call
 from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupLike, _NonMember, world
@@ -62,7 +63,7 @@ def _run(op: str, group: GroupLike, async_op: bool, prepare: Callable[[ProcessGr
         pg.reject(Call(op, seq, pg.timeout_s, {"op": op}), exc)
         raise
     fp["op"] = op
-    call = Call(op, seq, pg.timeout_s, fp)
+    call = Call(op, seq, call_timeout_s(pg.timeout_s), fp)  # an Options' timeout, if set
     return pg.run(call, lambda: fn(call), async_op, outputs)
 
 

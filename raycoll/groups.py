@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from datetime import timedelta
+from typing import Any, Dict, List, NewType, Optional, Sequence, Tuple, Union
 
 import ray
 
@@ -36,7 +37,15 @@ __all__ = [
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "get_node_local_rank", "is_available",
     "get_backend", "get_backend_config", "new_subgroups_by_enumeration", "split_group",
+    "shrink_group", "get_pg_count", "GroupName", "default_pg_timeout",
 ]
+
+default_pg_timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+"""The default timeout of a group's collectives (and of its store's waits): 30 minutes, as
+torch's ``default_pg_timeout``."""
+
+GroupName = NewType("GroupName", str)
+"""torch's type of group names (a ``str``), for annotations."""
 
 
 def _int_arg(value: Any, name: str, env: str) -> int:
@@ -515,3 +524,25 @@ def _split_backend(parent: ProcessGroup, backend: Optional[str]) -> Optional[str
                              f"'{have[device]}', requested '{name}'. Backend names must match "
                              "exactly when filtering split_group backends.")
     return backend
+
+
+def get_pg_count() -> int:
+    """How many process groups this process holds now (its default group and the others it
+    formed or joined, subgroups included)."""
+    w = world()
+    with w.lock:
+        return len(w.groups)
+
+
+def shrink_group(ranks_to_exclude: List[int], group: Optional[ProcessGroup] = None,
+                 shrink_flags: int = 0, pg_options: Optional[Any] = None) -> ProcessGroup:
+    """torch's ``shrink_group`` (NCCL only in torch: it shrinks a communicator in place, the
+    excluded ranks not taking part), which raycoll cannot honour: raises
+    ``NotImplementedError`` saying what to do instead."""
+    raise NotImplementedError(
+        f"shrink_group(ranks_to_exclude={ranks_to_exclude!r}) cannot be honoured: raycoll does "
+        "not shrink a group in place without the excluded ranks. While every rank is alive, "
+        "call raycoll.new_group(ranks) with the ranks to keep, on every rank of the group; "
+        "after a rank failed (the group is then broken on every rank), destroy the group and "
+        "form it again over the surviving actors (raycoll.create_group / "
+        "init_process_group), as raycoll.train's restarts do")

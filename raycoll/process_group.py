@@ -26,6 +26,7 @@ from raycoll.backends import BackendConfig
 from raycoll.backends.base import CollectiveBackend, Completion
 from raycoll.context import Call, GroupContext, Route
 from raycoll.coordinator import CoordinatorClient
+from raycoll.object_api import ObjectAPI
 from raycoll.options import GroupOptions
 from raycoll.transport.base import overlapping
 from raycoll.transport.selection import GroupTransports
@@ -73,8 +74,10 @@ class _Root:
     by_name: bool = False
 
 
-class ProcessGroup:
-    """A group of ranks that run collectives together (``torch.distributed.ProcessGroup``)."""
+class ProcessGroup(ObjectAPI):
+    """A group of ranks that run collectives together (``torch.distributed.ProcessGroup``);
+    torch's object API (``pg.allreduce([t], opts)``, ...) comes from
+    :class:`raycoll.object_api.ObjectAPI`."""
 
     def __init__(
         self,

@@ -2,9 +2,15 @@
 
 The ops are those of ``torch.distributed.ReduceOp``. ``PREMUL_SUM`` is, as in c10d, a factory:
 ``ReduceOp.PREMUL_SUM(factor)`` makes an op that sums ``factor * x`` over ranks.
+
+``raycoll.reduce_op`` is this module, and so also stands where torch's deprecated
+``reduce_op`` class does: ``raycoll.reduce_op.SUM`` (``PRODUCT``, ``MIN``, ``MAX``) is
+``ReduceOp.SUM``, with torch's deprecation warning.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from typing import Any, ClassVar, Optional, Tuple
 
@@ -12,7 +18,8 @@ import numpy as np
 
 from raycoll.errors import UnsupportedOpError
 
-__all__ = ["ReduceOp", "check_op_dtype", "combine", "combine_into", "finalize", "reduce_arrays"]
+__all__ = ["ReduceOp", "check_op_dtype", "supports_complex", "combine", "combine_into",
+           "finalize", "reduce_arrays"]
 
 
 class ReduceOp:
@@ -107,6 +114,16 @@ ReduceOp.RedOpType = _RedOpType  # type: ignore[attr-defined]
 
 _NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
 
+
+def __getattr__(name: str) -> ReduceOp:
+    """torch's deprecated ``reduce_op.SUM`` (``PRODUCT``, ``MIN``, ``MAX``)."""
+    if name in ("SUM", "PRODUCT", "MIN", "MAX"):
+        warnings.warn("raycoll.reduce_op is deprecated (as torch.distributed.reduce_op is), "
+                      "please use raycoll.ReduceOp instead", FutureWarning, stacklevel=2)
+        op: ReduceOp = getattr(ReduceOp, name)
+        return op
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 _UFUNC = {
     "SUM": np.add,
     "AVG": np.add,
@@ -170,6 +187,22 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype) -> None:
         raise UnsupportedOpError(f"op={op!r} is not defined on bool tensors")
     if kind not in "biufc":
         raise UnsupportedOpError(f"cannot reduce dtype {dtype}: numeric or bool dtypes only")
+
+
+def supports_complex(reduceOp: Any) -> bool:  # noqa: N803 - torch's name
+    """Whether raycoll's collectives reduce complex tensors with ``reduceOp`` (a raycoll or
+    torch ``ReduceOp``): SUM, AVG, PREMUL_SUM and PRODUCT (numpy multiplies complex numbers;
+    torch refuses PRODUCT), not MIN, MAX or the bitwise ops. Read from the check the
+    collectives make (:func:`check_op_dtype`), so the two never disagree."""
+    try:
+        op = as_reduce_op(reduceOp)
+    except ValueError:  # PREMUL_SUM without its factor: still that op
+        op = ReduceOp("PREMUL_SUM", 1.0)
+    try:
+        check_op_dtype(op, np.dtype(np.complex128))
+    except UnsupportedOpError:
+        return False
+    return True
 
 
 def combine(op: ReduceOp, out: np.ndarray, other: np.ndarray) -> None:

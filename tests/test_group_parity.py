@@ -4,7 +4,6 @@ backend queries, backend names, arguments raycoll cannot honour, subgroup helper
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict
 
 import numpy as np
@@ -45,10 +44,14 @@ def _torch_env_rendezvous(rank: int, backend: str, init_barrier: bool) -> Any:
         t = torch.full((2,), float(rank + 1))
         dist.all_reduce(t)
         store = dist.distributed_c10d._get_default_store()
-        store = store._underlying_non_prefix_store
-        # raycoll never touches the store: torch's TCPStore (MASTER_PORT) is never made
-        made = getattr(store, "made", type(store).__name__)
-        return dist.get_rank(), dist.get_world_size(), t.tolist(), made
+        # torch's store is the raycoll group's: what torch sets (under torch's prefixes),
+        # raycoll.get_store() sees
+        store.set(f"from-torch-{rank}", str(rank))
+        raycoll.barrier()
+        seen = sorted(k.rpartition("/")[2] for k in raycoll.get_store().list_keys()
+                      if k.endswith(tuple(f"from-torch-{r}" for r in range(2))))
+        kind = type(store._underlying_non_prefix_store).__name__
+        return dist.get_rank(), dist.get_world_size(), t.tolist(), kind, seen
     finally:
         dist.destroy_process_group()
 
@@ -61,32 +64,32 @@ def test_torch_env_rendezvous_works_under_spawn(ray_local, backend, init_barrier
     got = raycoll.spawn(_torch_env_rendezvous, 2, args=(backend, init_barrier),
                         actor_options={"num_cpus": 0})
     # gloo exchanges its addresses through torch's store, and torch's store-based barrier
-    # counts the ranks there: only then is torch's TCPStore (at MASTER_PORT) made
-    made = backend == "gloo" or init_barrier
-    assert got == [(0, 2, [3.0, 3.0], made), (1, 2, [3.0, 3.0], made)]
+    # counts the ranks there: both on the raycoll group's store (no TCPStore, no port)
+    seen = ["from-torch-0", "from-torch-1"]
+    assert got == [(0, 2, [3.0, 3.0], "RaycollStore", seen),
+                   (1, 2, [3.0, 3.0], "RaycollStore", seen)]
 
 
-def _init_barrier_without_master(rank: int) -> str:
+def _init_barrier_without_master(rank: int) -> Any:
+    import torch
     import torch.distributed as dist
 
-    del os.environ["MASTER_ADDR"]  # the store is local to the rank, then
+    del os.environ["MASTER_ADDR"]  # raycoll:// then, as env:// without torchrun's variables
     os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    dist.init_process_group("raycoll")
     try:
-        dist.init_process_group("raycoll")
-    except KeyError as exc:
-        return str(exc)
-    dist.destroy_process_group()
-    return "no error"
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return t.tolist()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.torch
 @pytest.mark.timeout(120)
-def test_a_store_based_barrier_on_the_local_store_fails_at_once_naming_the_fix(ray_local):
-    start = time.monotonic()
+def test_a_store_based_barrier_meets_on_the_raycoll_groups_store(ray_local):
     got = raycoll.spawn(_init_barrier_without_master, 2, actor_options={"num_cpus": 0})
-    for text in got:
-        assert "never set on this rank" in text and "TORCH_DIST_INIT_BARRIER" in text
-    assert time.monotonic() - start < 60  # not torch's timeout (30 minutes)
+    assert got == [[2.0, 2.0], [2.0, 2.0]]
 
 
 @pytest.mark.timeout(10)

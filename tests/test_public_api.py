@@ -19,7 +19,8 @@ EXPECTED = [
     "get_world_size", "new_group", "new_subgroups", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "get_group", "ProcessGroup", "GroupMember",
     "get_node_local_rank", "is_available", "get_backend", "get_backend_config", "group",
-    "new_subgroups_by_enumeration", "split_group",
+    "new_subgroups_by_enumeration", "split_group", "shrink_group", "get_pg_count", "GroupName",
+    "default_pg_timeout",
     # collectives
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
@@ -28,6 +29,16 @@ EXPECTED = [
     "all_reduce_coalesced", "all_gather_coalesced",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list",
+    # the ProcessGroup object API's options
+    "AllreduceOptions", "AllreduceCoalescedOptions", "AllToAllOptions", "BarrierOptions",
+    "BroadcastOptions", "GatherOptions", "ReduceOptions", "ReduceScatterOptions",
+    "ScatterOptions",
+    # the key-value store
+    "Store", "PrefixStore", "get_store",
+    # availability and debugging
+    "is_backend_available", "is_gloo_available", "is_mpi_available", "is_ucc_available",
+    "is_xccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
+    "supports_complex", "ProcessGroupGloo", "DebugLevel", "get_debug_level", "record_comm",
     # types
     "ReduceOp", "Backend", "BackendConfig", "Work", "Future", "is_nccl_available",
     "native_available", "native_status",

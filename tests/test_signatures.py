@@ -4,6 +4,12 @@ For each public function (and each public method of a shared class) that both de
 parameters torch declares must come first in raycoll's, with the same names, kinds, order and
 defaults (a torch ``ReduceOp`` default is compared as raycoll maps it). raycoll may add
 parameters after torch's, with defaults: a call written for torch binds the same way.
+Where torch's pybind method is overloaded, its first overload is compared (for
+``ProcessGroup``'s object API: the form with an Options object). pybind's ``arg0``, ``arg1``,
+... are no names (such a parameter can only be passed by position): any positional
+parameter of raycoll's matches one. A torch default that is an Options object made once (a
+pybind default, shared by every call) matches raycoll's ``None`` (fresh options per call).
+Members a public class inherits from raycoll's own bases are compared too.
 Whatever differs otherwise is listed in ``EXCEPTIONS`` with the reason.
 """
 
@@ -29,8 +35,11 @@ EXCEPTIONS: Dict[str, str] = {
                      "raycoll.torch_backend.process_group)",
     "ProcessGroup.__init__": "raycoll makes its groups (init_process_group, new_group); torch's "
                              "overloaded pybind constructor has no single signature",
-    "ReduceOp.__init__": "torch's pybind constructor names its one argument arg0; raycoll's "
-                         "ReduceOp(op) takes the same positional argument (named name)",
+    "DebugLevel.__init__": "an enum.IntEnum: DebugLevel(value) looks the member up, as torch's "
+                           "DebugLevel(value) does (Enum's own __init__ takes *args)",
+    "ProcessGroupGloo.__init__": "raycoll has no ProcessGroupGloo objects (it serves 'gloo' "
+                                 "with its own CPU path): constructing one raises, saying what "
+                                 "to use",
 }
 
 Param = Tuple[str, str, Any]  # name, kind, default (inspect.Parameter.empty if none)
@@ -52,13 +61,16 @@ def _split_top_level(text: str) -> List[str]:
 
 
 def _params(obj: Any) -> Optional[List[Param]]:
-    """The parameters of a Python function, or of a pybind11 method from its docstring."""
+    """The parameters of a Python function, or of a pybind11 method from its docstring (its
+    first overload's, where it is overloaded)."""
     try:
         sig = inspect.signature(obj)
         return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
     except (TypeError, ValueError):
         pass
     doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
+    if len(doc) > 1 and doc[1].strip() == "Overloaded function.":
+        doc = [line[3:] for line in doc if line.startswith("1. ")]
     match = re.match(r"^\w+\((.*)\)\s*->", doc[0]) if doc else None
     if match is None:
         return None
@@ -70,7 +82,14 @@ def _params(obj: Any) -> Optional[List[Param]]:
     return out
 
 
+_PYBIND_OPTIONS = re.compile(r"<torch\._C\._distributed_c10d\.\w+Options object at 0x[0-9a-f]+>")
+
+
 def _same_default(ours: Any, theirs: Any) -> bool:
+    if ours is None and isinstance(theirs, str) and _PYBIND_OPTIONS.fullmatch(theirs):
+        return True
+    if isinstance(theirs, str) and not isinstance(ours, str) and theirs == repr(ours):
+        return True  # a pybind default, read from its docstring as text ('None', 'True')
     if ours is theirs or (ours is inspect.Parameter.empty) == (theirs is inspect.Parameter.empty) \
             and ours == theirs:
         return True
@@ -85,7 +104,9 @@ def _mismatch(ours: List[Param], theirs: List[Param]) -> Optional[str]:
     if len(ours) < len(theirs):
         return f"fewer parameters: {[p[0] for p in ours]} vs torch's {[p[0] for p in theirs]}"
     for (n, k, d), (tn, tk, td) in zip(ours, theirs):
-        if n != tn or k != tk:
+        if re.fullmatch(r"arg\d+", tn) and k in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD"):
+            pass  # pybind's placeholder: torch's parameter has no name
+        elif n != tn or k != tk:
             return f"parameter {n} ({k}) where torch has {tn} ({tk})"
         if not _same_default(d, td):
             return f"parameter {n} defaults to {d!r}, torch's to {td!r}"
@@ -107,9 +128,12 @@ def _shared() -> List[Tuple[str, Any, Any]]:
             continue
         ours = getattr(raycoll, name)
         if not inspect.isclass(ours):
-            pairs.append((name, ours, theirs))
+            if inspect.isroutine(ours):  # not a value (default_pg_timeout) or a type alias
+                pairs.append((name, ours, theirs))
             continue
-        for member in sorted(set(vars(ours)) | {"__init__"}):
+        own = {m for base in ours.__mro__ if base.__module__.startswith("raycoll")
+               for m in vars(base)}
+        for member in sorted(own | {"__init__"}):
             if member.startswith("_") and member not in ("__init__", "_source_rank"):
                 continue
             static = inspect.getattr_static(ours, member, None)

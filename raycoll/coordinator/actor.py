@@ -3,7 +3,8 @@
 :class:`Coordinator` combines the concerns, each in its own module: membership
 (rendezvous, leave), the key-value store and ``status`` here; step matching
 (:mod:`.steps`), round-transport bookkeeping (:mod:`.transports`), Join state
-(:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`) and liveness
+(:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`), the groups' stores
+(:mod:`.store`) and liveness
 (:mod:`.liveness`). Every RPC answers
 with a result tuple (:mod:`.logic`); ranks call it through
 :class:`raycoll.coordinator.client.CoordinatorClient`.
@@ -23,10 +24,11 @@ from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
 from raycoll.coordinator.steps import StepsMixin
+from raycoll.coordinator.store import StoreMixin, table_sizes
 from raycoll.coordinator.transports import TransportMixin
 
 
-class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessMixin):
+class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixin, LivenessMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
@@ -100,6 +102,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             self._join_answers.clear()
             self._kv.clear()  # per generation: e.g. an NCCL unique id must not be reused
             self._kv_events.clear()
+            self._store_reset()  # a store outlives no group
             self._reset.set()
         return ok({"all_left": all_left})
 
@@ -156,7 +159,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, LivenessM
             "steps": len(self._steps), "groups": len(self._groups), "broken": len(self._broken),
             "mail": sum(len(q) for q in self._mail.values()),
             "receivers": sum(len(q) for q in self._waiting.values()),
-            "kv": len(self._kv), "leases": len(self._leases),
+            "kv": len(self._kv), "store": table_sizes(self._store), "leases": len(self._leases),
             "lease_watchers": len(self._lease_watchers), "waits": len(self._waits),
             "probes": sum(1 for t in self._probes.values() if not t.done()),
             "probes_sent": self._probes_sent,

@@ -8,8 +8,8 @@ that waits later (:meth:`CoordinatorClient.wait`) or never (a notification).
 
 Timeouts: a wait lasts the given bound plus :data:`GRACE_S` (the coordinator answers a call
 that timed out on its side within its own bound: the grace covers the trip back). RPCs that
-wait at the coordinator (``rendezvous``, ``kv_get``, ``exchange``, ``join_round``) are
-bounded by their own ``timeout_s``; the checks a waiting rank makes by
+wait at the coordinator (``rendezvous``, ``kv_get``, ``exchange``, ``join_round``,
+``store_wait``) are bounded by their own ``timeout_s``; the checks (and ``store_op``) a waiting rank makes by
 :data:`CHECK_TIMEOUT_S`; ``where`` is the error context (``op``, ``seq``, ``group``,
 ``rank``) a failure names.
 """
@@ -117,6 +117,20 @@ class CoordinatorClient:
     def kv_get(self, key: str, timeout_s: float, where: Where = None) -> Any:
         """The value of ``key``, waiting up to ``timeout_s`` for it to be set."""
         return self._wait(self.submit_kv_get(key, timeout_s), timeout_s, where)
+
+    # ------------------------------------------------------------------ the groups' stores
+    def store_op(self, ns: str, op: str, args: Tuple[Any, ...], where: Where = None,
+                 timeout_s: float = CHECK_TIMEOUT_S) -> Any:
+        """Run store operation ``op`` (one that never waits: ``set``, ``add``, ...) on group
+        ``ns``'s store (:mod:`raycoll.coordinator.store`); returns its value."""
+        return self._wait(self.handle.store_op.remote(ns, op, args), timeout_s, where)
+
+    def store_wait(self, ns: str, op: str, args: Tuple[Any, ...], timeout_s: float,
+                   where: Where = None) -> Any:
+        """Run store operation ``op`` (``get``, ``wait``, ...) once its keys are there,
+        waiting up to ``timeout_s`` (then ``DistTimeoutError`` names the keys)."""
+        ref: "ray.ObjectRef" = self.handle.store_wait.remote(ns, op, args, timeout_s)
+        return self._wait(ref, timeout_s, where)
 
     # ------------------------------------------------------------------ collectives
     def submit_exchange(self, key: str, ranks: Sequence[int], seq: int, step: int, rank: int,

@@ -84,6 +84,11 @@ class CoordinatorState:
         # key-value store
         self._kv: Dict[str, Any] = {}
         self._kv_events: Dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        # the groups' stores (c10d's Store, see .store): group -> key -> value, group -> key
+        # -> queue, and the waiters woken when (group, key) changes
+        self._store: Dict[str, Dict[str, bytes]] = defaultdict(dict)
+        self._store_queues: Dict[str, Dict[str, List[bytes]]] = defaultdict(dict)
+        self._store_waiters: Dict[Tuple[str, str], List["asyncio.Future[None]"]] = {}
         # steps: (group, seq, step) -> step; each group's global ranks; why a group broke;
         # by group rank, the last completed and the current collective (name, seq)
         self._steps: Dict[Tuple[str, int, int], Step] = {}
@@ -142,3 +147,4 @@ class CoordinatorState:
         def _liveness_reset(self, old_generation: int) -> None: ...
         def _self_destruct_if_orphaned(self) -> None: ...
         def _join_status(self, key: str, out: Dict[Any, Any]) -> None: ...
+        def _store_reset(self) -> None: ...
