@@ -2,9 +2,9 @@
 
 Layers, top to bottom (data flows one way):
 
-- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.object_collectives`,
-  :mod:`raycoll.coalesced`, :mod:`raycoll.groups`, driver-side :mod:`raycoll.launch` and
-  :mod:`raycoll.status`):
+- public functions (:mod:`raycoll.collectives`, :mod:`raycoll.p2p`,
+  :mod:`raycoll.object_collectives`, :mod:`raycoll.coalesced`, :mod:`raycoll.groups`,
+  driver-side :mod:`raycoll.launch` and :mod:`raycoll.status`):
   resolve the group, validate, dispatch;
 - :class:`ProcessGroup` (:mod:`raycoll.process_group`, the per-process registry of groups in
   :mod:`raycoll.world`): ranks, sequence numbers, issue order, device -> backend dispatch;
@@ -39,10 +39,9 @@ from raycoll.call_options import (
     ReduceScatterOptions,
     ScatterOptions,
 )
-from raycoll import coalesced as _coalesced, collectives as _collectives
+from raycoll import coalesced as _coalesced, collectives as _collectives, p2p as _p2p
 from raycoll.coalesced import all_gather_coalesced, all_reduce_coalesced
 from raycoll.collectives import (
-    P2POp,
     all_gather,
     all_gather_into_tensor,
     all_gather_single,
@@ -50,20 +49,16 @@ from raycoll.collectives import (
     all_to_all,
     all_to_all_single,
     barrier,
-    batch_isend_irecv,
     broadcast,
     gather,
-    irecv,
-    isend,
     monitored_barrier,
-    recv,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
-    send,
 )
+from raycoll.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from raycoll.debug import DebugLevel, get_debug_level, record_comm
 from raycoll.errors import (
     BackendUnavailableError,
@@ -178,6 +173,6 @@ group = _world_group
 
 # ProcessGroup's object API (pg.allreduce([t], opts)) calls the module functions, which sit
 # above ProcessGroup: they are handed down here rather than imported from below
-_provide_object_api(_collectives, _coalesced)
+_provide_object_api(_collectives, _p2p, _coalesced)
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

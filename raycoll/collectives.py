@@ -1,4 +1,5 @@
-"""The public collective functions, with ``torch.distributed``'s names and signatures.
+"""The public collective functions, with ``torch.distributed``'s names and signatures
+(point to point: :mod:`raycoll.p2p`).
 
 Every collective has the same shape: resolve the group (``None`` -> default group, a name,
 or a ``ProcessGroup``; a non-member gets torch's non-member behaviour), take the next sequence
@@ -34,8 +35,7 @@ Prepared = Tuple[Dict[str, Any], Callable[[Call], Any]]
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "all_gather_single", "reduce_scatter_single", "barrier", "monitored_barrier", "send", "recv",
-    "isend", "irecv", "P2POp", "batch_isend_irecv",
+    "all_gather_single", "reduce_scatter_single", "barrier", "monitored_barrier",
 ]
 
 _REJECTED = (ValueError, TypeError, errors.BackendUnavailableError)
@@ -488,114 +488,3 @@ def _monitored_timeout(exc: errors.DistTimeoutError, pg: ProcessGroup, call: Cal
                                   group=pg.name, rank=me)
     out.__cause__ = exc.__cause__
     return out
-
-
-# ---------------------------------------------------------------------- point to point
-def _p2p(op: str, tensor: Tensor, peer: Optional[int], group: GroupLike, tag: int,
-         group_peer: Optional[int], async_op: bool, *, receive: bool) -> Any:
-    pg = _resolve(group, op)
-    if pg is None:
-        return None
-    name = "src" if receive else "dst"
-    gp = _peer(pg, peer, group_peer, name, f"group_{name}", required=not receive)
-    if gp is not None and gp == pg.rank():
-        given = peer if peer is not None else group_peer
-        raise ValueError(f"{op}: {name}={given} is this rank; a rank cannot "
-                         f"{'receive from' if receive else 'send to'} itself")
-    if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
-        raise TypeError(f"tag must be an int, got {tag!r}")
-    info = _tensor(tensor, "tensor", writable=receive)
-    backend = _backend(pg, info)
-    timeout = pg.timeout_s
-    if receive:
-        def post() -> Any:
-            return backend.recv(tensor, gp, int(tag), timeout)
-    else:
-        assert gp is not None  # required for a send (checked by _peer)
-        dst = gp
-
-        def post() -> Any:
-            return backend.send(tensor, dst, int(tag), timeout)
-    describe_ = f"{op} on group {pg.name!r}"
-    return pg.run_p2p(post, async_op, describe_, [tensor], op=op,
-                      ordered=backend.stream_ordered)
-
-
-def send(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,
-         group_dst: Optional[int] = None) -> None:
-    """Send ``tensor`` to ``dst``; returns once the receiver has taken it."""
-    _p2p("send", tensor, dst, group, tag, group_dst, False, receive=False)
-
-
-def recv(tensor: Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0,
-         group_src: Optional[int] = None) -> Optional[int]:
-    """Receive into ``tensor`` from ``src`` (any rank when ``None``); returns the sender's rank."""
-    return _p2p("recv", tensor, src, group, tag, group_src, False, receive=True)
-
-
-def isend(tensor: Tensor, dst: Optional[int] = None, group: GroupLike = None, tag: int = 0,
-          group_dst: Optional[int] = None) -> Optional[Work]:
-    """Send asynchronously (the data is captured at the call); returns a ``Work``."""
-    return _p2p("isend", tensor, dst, group, tag, group_dst, True, receive=False)
-
-
-def irecv(tensor: Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0,
-          group_src: Optional[int] = None) -> Optional[Work]:
-    """Receive asynchronously into ``tensor``; returns a ``Work`` (``source_rank()`` after)."""
-    return _p2p("irecv", tensor, src, group, tag, group_src, True, receive=True)
-
-
-class P2POp:
-    """One operation of :func:`batch_isend_irecv`: ``P2POp(isend, tensor, peer)``."""
-
-    def __init__(self, op: Callable[..., Any], tensor: Tensor, peer: Optional[int] = None,
-                 group: GroupLike = None, tag: int = 0, group_peer: Optional[int] = None) -> None:
-        name = getattr(op, "__name__", "")
-        if name not in ("isend", "irecv"):
-            raise ValueError(f"P2POp op must be raycoll.isend or raycoll.irecv, got {op!r}")
-        if peer is None and group_peer is None:
-            raise ValueError("P2POp needs peer (a global rank) or group_peer (a group rank)")
-        if not is_tensor(tensor):
-            raise TypeError(f"P2POp tensor must be a tensor, got {type(tensor).__name__}")
-        self.op = isend if name == "isend" else irecv
-        self.tensor = tensor
-        self.peer = peer
-        self.group = group
-        self.tag = tag
-        self.group_peer = group_peer
-
-    def __repr__(self) -> str:
-        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
-
-
-def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
-    """Post every send and receive of the list at once; returns their ``Work`` handles."""
-    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-        raise ValueError("p2p_op_list must be a non-empty list of P2POp")
-    for i, p in enumerate(p2p_op_list):
-        if not isinstance(p, P2POp):
-            raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
-    works = []
-    with contextlib.ExitStack() as batch:
-        # backends that group p2p calls (NCCL) issue the whole list as one group call
-        for backend in _batch_backends(p2p_op_list):
-            batch.enter_context(backend.batch_p2p())
-        for p in p2p_op_list:
-            if p.op is isend:
-                work = isend(p.tensor, p.peer, p.group, p.tag, group_dst=p.group_peer)
-            else:
-                work = irecv(p.tensor, p.peer, p.group, p.tag, group_src=p.group_peer)
-            if work is not None:
-                works.append(work)
-    return works
-
-
-def _batch_backends(p2p_op_list: Sequence[P2POp]) -> List[CollectiveBackend]:
-    """The distinct backends the operations of a batch go through (in first-use order)."""
-    found: Dict[int, CollectiveBackend] = {}
-    for p in p2p_op_list:
-        pg = world().resolve(p.group)
-        if isinstance(pg, ProcessGroup):
-            backend = pg.backend(describe(p.tensor, "tensor").device)
-            found.setdefault(id(backend), backend)
-    return list(found.values())

@@ -31,14 +31,14 @@ __all__ = ["ObjectAPI", "provide"]
 
 T = TypeVar("T")
 
-#: The module functions (raycoll.collectives and raycoll.coalesced), handed over by
-#: raycoll/__init__.py.
+#: The module functions (raycoll.collectives, raycoll.p2p and raycoll.coalesced), handed over
+#: by raycoll/__init__.py.
 _FUNCTIONS: List[Any] = []
 
 
-def provide(collectives: Any, coalesced: Any) -> None:
+def provide(*modules: Any) -> None:
     """Hand this module the module functions it calls (once, from ``raycoll/__init__.py``)."""
-    _FUNCTIONS[:] = [collectives, coalesced]
+    _FUNCTIONS[:] = list(modules)
 
 
 def _fn(name: str) -> Any:

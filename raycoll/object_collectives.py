@@ -16,7 +16,8 @@ import numpy as np
 import ray
 
 from raycoll.backends import objects
-from raycoll.collectives import Prepared, _given, _peer, _resolve, _run, recv, send
+from raycoll.collectives import Prepared, _given, _peer, _resolve, _run
+from raycoll.p2p import recv, send
 from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupLike
 
@@ -141,7 +142,7 @@ def send_object_list(object_list: List[Any], dst: Optional[int] = None, group: G
     data = np.frombuffer(payload, dtype=np.uint8)  # read-only is fine: a send only reads
     for tensor in (header, data):
         if use_batch:
-            from raycoll.collectives import P2POp, batch_isend_irecv, isend
+            from raycoll.p2p import P2POp, batch_isend_irecv, isend
 
             for work in batch_isend_irecv([P2POp(isend, tensor, group=pg, group_peer=gp)]):
                 work.wait()
@@ -177,7 +178,7 @@ def recv_object_list(object_list: List[Any], src: Optional[int] = None, group: G
 def _recv(tensor: np.ndarray, pg: ProcessGroup, gp: Optional[int], use_batch: bool) -> int:
     """Receive ``tensor`` from group rank ``gp`` (any when None); the sender's global rank."""
     if use_batch and gp is not None:
-        from raycoll.collectives import P2POp, batch_isend_irecv, irecv
+        from raycoll.p2p import P2POp, batch_isend_irecv, irecv
 
         (work,) = batch_isend_irecv([P2POp(irecv, tensor, group=pg, group_peer=gp)])
         work.wait()

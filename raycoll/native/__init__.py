@@ -16,6 +16,7 @@ and tests: :func:`native_available` says which, :func:`native_status` why.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -35,7 +36,7 @@ def _load() -> Tuple[Any, str]:
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"turned off by {ENV}={os.environ[ENV]}"
     try:
-        from raycoll.native import _core
+        _core = importlib.import_module("raycoll.native._core")
     except ImportError as exc:
         return None, (f"the extension raycoll.native._core is not built ({exc}); reinstall "
                       "with a C compiler present (pip install -e .)")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from raycoll import collectives as rc
+from raycoll import p2p
 from raycoll import errors
 from raycoll.torch_backend.names import GroupNames
 from raycoll.torch_backend.rendezvous import (_default_group, _install_rendezvous,
@@ -444,13 +445,13 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> RaycollWork:
         t = _one(tensors, "send")
         x = _Stage().inp(t)
-        return RaycollWork([rc.isend(x, group=self._rc, tag=int(tag), group_dst=int(dst))],
+        return RaycollWork([p2p.isend(x, group=self._rc, tag=int(tag), group_dst=int(dst))],
                            [t])
 
     def _recv(self, t: torch.Tensor, src: Optional[int], tag: int) -> RaycollWork:
         stage = _Stage()
         x = stage.out(t)
-        work = rc.irecv(x, group=self._rc, tag=int(tag), group_src=src)
+        work = p2p.irecv(x, group=self._rc, tag=int(tag), group_src=src)
         return RaycollWork([work], [t], stage.finish, source=self._rc.global_ranks.index)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> RaycollWork:

@@ -272,6 +272,8 @@ class SegmentLane(RoundTransport):
         """While a run waits (called by the core every so often): the call's deadline, then
         the coordinator's check (a dead rank, an abort, a mismatch on another path)."""
         call = self._call
+        if call is None:  # pragma: no cover - run() sets it before the core can call this
+            return
         self._waiting = (call.seq, list(pending))
         elapsed = time.monotonic() - self._call_began
         if elapsed > call.timeout_s:

@@ -1,0 +1,55 @@
+"""Types of raycoll's compiled core (raycoll/native/module.c): see segment.h and reduce.h."""
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+OP_WRITE: int
+OP_SYNC: int
+OP_COPY: int
+OP_REDUCE: int
+OP_LOCAL: int
+OP_FINAL: int
+BUF_NEXT: int
+FLAG_FINAL: int
+STEP_FIRST: int
+OK: int
+MISMATCH: int
+ABORTED: int
+DEAD: int
+BADPLAN: int
+CLOSED: int
+SEQ: int
+ABORT_FAILED: int
+ABORT_CLOSED: int
+FP_BYTES: int
+PAGE: int
+MAX_RANKS: int
+OP_WORDS: int
+
+Wait = Tuple[int, int, int, int]
+Check = Optional[Callable[[float, Tuple[int, ...]], None]]
+
+class SegmentError(OSError): ...
+
+class Segment:
+    attached: int
+    step: int
+    half_bytes: int
+    spin_fails: int
+    closed: bool
+    def __init__(self, name: str, nranks: int, rank: int, half_bytes: int,
+                 create: bool) -> None: ...
+    def run(self, plan: Any, bufs: Sequence[Any], dtype: int, op: int, factor: float,
+            divisor: int, call_seq: int, fp: bytes, wait: Wait,
+            check: Check) -> Tuple[int, int]: ...
+    def abort(self, reason: int = ...) -> None: ...
+    def close(self) -> None: ...
+    def info(self, rank: int, parity: int) -> Dict[str, Any]: ...
+    def half_offset(self, rank: int, parity: int) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
+def reduce(dtype: int, op: int, dst: Any, srcs: Sequence[Any]) -> None: ...
+def finalize(dtype: int, op: int, buf: Any, divisor: int, factor: float) -> None: ...
+def supported(dtype: int, op: int) -> bool: ...
+def dtype_size(dtype: int) -> int: ...
+def unlink(name: str) -> bool: ...
+def total_bytes(nranks: int, half_bytes: int) -> int: ...
