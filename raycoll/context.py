@@ -145,6 +145,7 @@ class GroupContext:
         addresses: Optional[Sequence[Any]] = None,
         secret: Optional[bytes] = None,
         transports: Optional[Callable[["GroupContext"], Transports]] = None,
+        native: bool = False,
     ) -> None:
         self.group_name = group_name
         self.rank = rank
@@ -160,6 +161,9 @@ class GroupContext:
         #: group's secret (see raycoll.transport.tcp).
         self.addresses = tuple(addresses) if addresses is not None else (None,) * self.size
         self.secret = secret
+        #: whether every rank of the group runs raycoll's native core (raycoll.native), so
+        #: that its transports may use it
+        self.native = native
         self.transport = _transport_option(self.options)
         # The round transport (see raycoll.transport): None until the first collective that
         # can use one decides; then a RoundTransport, or False (none, on every rank).
@@ -253,7 +257,7 @@ class GroupContext:
         plane = self._plane
         if plane is None:
             plane = self._set_up(call)
-        if plane and getattr(plane, "native", False):
+        if plane and getattr(plane, "is_segment", False):
             return plane
         return None
 
@@ -296,7 +300,7 @@ class GroupContext:
         sockets = self._transports.sockets if self._transports is not None else None
         return {
             "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
-            "sockets": sockets("coll") if sockets else 0,
+            "sockets": sockets("coll") + sockets("ncoll") if sockets else 0,
             "p2p_sockets": sockets("p2p") if sockets else 0,
             "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
             "node_lane": sorted(lane.mates | {self.rank}) if lane is not None else [],

@@ -126,6 +126,7 @@ class ProcessGroup(ObjectAPI):
             addresses=[root.members[g].get("addr") for g in self._global_ranks],
             secret=root.secret,
             transports=GroupTransports,
+            native=all(root.members[g].get("native", False) for g in self._global_ranks),
         )
 
     # ------------------------------------------------------------------ torch-like accessors
@@ -312,7 +313,7 @@ class ProcessGroup(ObjectAPI):
         done, no sequence number taken) where any of that does not hold: the caller takes
         the full path, which checks the arguments and raises their errors."""
         plane = self.context._plane
-        if (not getattr(plane, "native", False) or self._outstanding or self._debug
+        if (not getattr(plane, "is_segment", False) or self._outstanding or self._debug
                 or self._broken is not None or self._destroyed is not None):
             return False
         flags = arr.flags

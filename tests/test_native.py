@@ -447,3 +447,178 @@ def test_a_dev_shm_too_small_is_a_clear_error_not_a_sigbus():
     assert done.returncode == 0, done.stderr
     assert "errno 28" in done.stdout and "reserving" in done.stdout, done.stdout
     assert "small ok 65536" in done.stdout
+
+
+# ---------------------------------------------------------------------- sockets
+from raycoll.algorithms.catalog import build  # noqa: E402
+from raycoll.algorithms.executor import simulate  # noqa: E402
+from raycoll.algorithms.native_plans import plan_schedule  # noqa: E402
+from raycoll.algorithms.topology import Topology  # noqa: E402
+
+SEND, RECV, XFER = core.OP_SEND, core.OP_RECV, core.OP_XFER
+
+
+class _Mesh:
+    """``n`` ranks joined by socket pairs (one per ordered pair, as the group's direct
+    connections are): each rank's out / in descriptors by peer, and its connection state."""
+
+    def __init__(self, n: int) -> None:
+        import socket
+
+        self.n = n
+        self.socks = []
+        self.out = [np.full(n, -1, np.int64) for _ in range(n)]
+        self.inn = [np.full(n, -1, np.int64) for _ in range(n)]
+        self.conns = [np.zeros(n * core.CONN_BYTES, np.uint8) for _ in range(n)]
+        for s in range(n):
+            for d in range(n):
+                if s != d:
+                    a, b = socket.socketpair()
+                    a.setblocking(False)
+                    b.setblocking(False)
+                    self.socks += [a, b]
+                    self.out[s][d] = a.fileno()
+                    self.inn[d][s] = b.fileno()
+
+    def net(self, r: int, fp: int = 7) -> tuple:
+        return (self.out[r], self.inn[r], self.conns[r], fp)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def _exec(mesh: _Mesh, r: int, ops: Any, bufs: Sequence[Any], dtype: int = 0, op: int = 0,
+          divisor: int = 0, seq: int = 1, fp: int = 7, check: Any = None) -> Any:
+    return core.execute(None, ops, tuple(bufs), dtype, op, 1.0, divisor, seq, b"", WAIT, check,
+                        mesh.net(r, fp))
+
+
+def _threads(n: int, body: Callable[[int], Any]) -> List[Any]:
+    out: List[Any] = [None] * n
+    errs: List[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = body(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errs.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+@pytest.mark.parametrize("collective,algorithm", [
+    ("all_reduce", "direct"), ("all_reduce", "ring"), ("all_reduce", "recursive_doubling"),
+    ("all_reduce", "halving_doubling"), ("reduce_scatter", "ring"), ("all_gather", "ring"),
+    ("all_gather", "recursive_doubling"), ("broadcast", "binomial"), ("reduce", "binomial")])
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_schedules_run_natively_over_sockets_equal_the_simulation(collective, algorithm, n):
+    count = 1001
+    schedule = build(collective, algorithm, Topology.flat(n, same_node="unix"), count, root=1)
+    reducing = collective in ("all_reduce", "reduce_scatter", "reduce")
+    inputs = [np.random.default_rng(r).standard_normal(count) for r in range(n)]
+    want = [x.copy() for x in inputs]
+    simulate(schedule, want, ReduceOp.SUM if reducing else ReduceOp.SUM)
+    mesh = _Mesh(n)
+    try:
+        def body(r: int) -> Any:
+            plan = plan_schedule(schedule, r, 8, False, ["a"] * n)
+            flat = inputs[r].copy()
+            got = _exec(mesh, r, plan.ops, [flat, np.empty(plan.scratch, np.uint8)],
+                        DTYPE_CODES["float64"], OP_CODES["SUM"])
+            return got, flat, plan
+
+        results = _threads(n, body)
+    finally:
+        mesh.close()
+    for r, (got, flat, plan) in enumerate(results):
+        assert got == (0, -1, 0), (r, got)
+        lo, hi = schedule.results[r]
+        if algorithm == "direct" or collective != "all_reduce":
+            assert np.allclose(flat[lo:hi], want[r][lo:hi]), r
+        else:
+            assert np.array_equal(flat[lo:hi], want[r][lo:hi]), r
+    if algorithm == "direct":  # reduced in rank order everywhere: bitwise the same result
+        assert all(np.array_equal(results[0][1], res[1]) for res in results)
+
+
+def _pair(sends: int, recvs: int, peer: int, nbytes: int = 8) -> np.ndarray:
+    ops = [(SEND, 0, 0, nbytes, peer, 0, 0, 0)] * sends + \
+          [(RECV, 1, 0, nbytes, peer, 0, 0, 0)] * recvs + [(XFER, 0, 0, 0, 0, 0, 0, 0)]
+    return np.array(ops, dtype=np.int64)
+
+
+def test_a_stale_message_is_skipped_and_a_later_one_kept_for_its_call():
+    mesh = _Mesh(2)
+    try:
+        src, dst = np.full(8, 5, np.uint8), np.zeros(8, np.uint8)
+        # rank 0 sends for call 1, which rank 1 left out (it failed there, say)
+        assert _exec(mesh, 0, _pair(1, 0, 1), [src, dst], seq=1) == (0, -1, 0)
+        # rank 0 sends for call 3 too; rank 1 is at call 2 and receives: call 1's is
+        # skipped, call 3's kept for call 3, and call 2 fails naming rank 0
+        assert _exec(mesh, 0, _pair(1, 0, 1), [np.full(8, 9, np.uint8), dst], seq=3) == \
+            (0, -1, 0)
+        assert _exec(mesh, 1, _pair(0, 1, 0), [src, dst], seq=2) == (core.SEQ, 0, 0)
+        assert _exec(mesh, 1, _pair(0, 1, 0), [src, dst], seq=3) == (0, -1, 0)
+        assert dst.tolist() == [9] * 8
+    finally:
+        mesh.close()
+
+
+def test_a_message_of_another_call_fails_both_ranks_and_the_streams_stay_whole():
+    mesh = _Mesh(2)
+    try:
+        def body(r: int) -> Any:
+            big = np.full(100_000, r + 1, np.uint8)  # more than a socket buffer
+            first = _exec(mesh, r, _pair(1, 1, 1 - r, 100_000 if r else 100_000),
+                          [big, np.zeros(100_000, np.uint8)], fp=7 + r)  # fingerprints differ
+            out = np.zeros(8, np.uint8)
+            second = _exec(mesh, r, _pair(1, 1, 1 - r), [np.full(8, r + 1, np.uint8), out],
+                           seq=2)
+            return first, second, out.tolist()
+
+        (f0, s0, o0), (f1, s1, o1) = _threads(2, body)
+    finally:
+        mesh.close()
+    assert f0 == (core.MISMATCH, 1, 0) and f1 == (core.MISMATCH, 0, 0)
+    assert s0 == s1 == (0, -1, 0) and o0 == [2] * 8 and o1 == [1] * 8
+
+
+def test_a_closed_peer_a_garbled_stream_and_a_python_frame_are_named():
+    for junk, status in [(None, core.PEER_CLOSED), (b"\xde\xad" * 32, core.GARBLED),
+                         (b"RC" + b"\0" * 40, core.FOREIGN)]:
+        mesh = _Mesh(2)
+        try:
+            sock = next(s for s in mesh.socks if s.fileno() == mesh.out[0][1])
+            if junk is None:
+                sock.close()
+            else:
+                sock.sendall(junk)
+            got = _exec(mesh, 1, _pair(0, 1, 0), [np.zeros(8, np.uint8), np.zeros(8, np.uint8)],
+                        check=lambda waited, pending: None)
+            assert got[:2] == (status, 0), (junk, got)
+        finally:
+            mesh.close()
+
+
+def test_socket_operations_are_bounds_checked():
+    mesh = _Mesh(2)
+    try:
+        small = np.zeros(8, np.uint8)
+        for ops in [[(SEND, 0, 4, 8, 1, 0, 0, 0), (XFER, 0, 0, 0, 0, 0, 0, 0)],  # past the buffer
+                    [(SEND, 0, 0, 8, 5, 0, 0, 0), (XFER, 0, 0, 0, 0, 0, 0, 0)],  # no such peer
+                    [(SEND, 0, 0, 8, 1, 0, 0, 0)],                                # no XFER
+                    [(SEND, 0, 0, 8, 1, 0, 0, 0), (core.OP_LOCAL, 0, 0, 1, 0, 1, 0, 0),
+                     (XFER, 0, 0, 0, 0, 0, 0, 0)]]:                              # mixed in
+            got = _exec(mesh, 0, np.array(ops, dtype=np.int64), [small])
+            assert got[0] == core.BADPLAN, ops
+    finally:
+        mesh.close()

@@ -186,8 +186,8 @@ def _garble(rank: int) -> Any:
     ctx = world().default.context
     x = np.ones(4)
     raycoll.all_reduce(x)  # connections are up
-    if rank == 1:
-        out = ctx._transports.links.outgoing(0, "coll", 10.0)
+    if rank == 1:  # on the connection the collectives use (the native core's, if it is on)
+        out = ctx._transports.links.outgoing(0, "ncoll" if ctx.native else "coll", 10.0)
         out.sock.setblocking(True)
         out.sock.sendall(b"\xde\xad" * 64)  # not a frame
         out.sock.setblocking(False)

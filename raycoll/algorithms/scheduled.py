@@ -137,7 +137,7 @@ class ScheduledAlgorithms:
         """Whether ``collective`` of ``nbytes`` a rank runs a schedule here (the group has
         direct connections and its algorithm is not the direct exchange), the same on every
         rank: ask before building a buffer for :meth:`_scheduled`."""
-        if self.ctx.size < 3:
+        if self.ctx.size < 3 and not self.ctx.native:
             return False  # two ranks: every algorithm is the direct exchange
         plane = self.ctx.sparse_transport(call)
         if plane is None:
@@ -148,7 +148,8 @@ class ScheduledAlgorithms:
             self._plans.clear()
         algo = self.algorithm(collective, nbytes, itemsize, root)
         self.ctx.note_algorithm(collective, algo)
-        return algo not in DIRECT
+        # natively, the direct exchange is a schedule too (one step: its mesh)
+        return algo not in DIRECT or self._native(plane) is not None
 
     def _scheduled(self, collective: str, flat: np.ndarray, op: Optional[ReduceOp], call: Any,
                    root: int = 0) -> bool:
@@ -161,8 +162,25 @@ class ScheduledAlgorithms:
         plane = self.ctx.sparse_transport(call)
         schedule, plan = self._plan(collective, algo, flat.size, flat.itemsize, root,
                                     plane.node_lane)
+        native = self._native(plane)
+        codes = native.codes(flat, op) if native is not None else None
+        if native is not None and codes is not None:
+            reducing = op is not None and op.name in ("AVG", "PREMUL_SUM")
+            key = (collective, algo, flat.size, flat.itemsize, root, reducing)
+            nplan = native.plan(key, schedule, flat.itemsize, reducing)
+            plane.run_native(call, nplan, flat, codes, op)
+            self.ctx.note_rounds(call, nplan.rounds, schedule.algorithm)
+            return True
         self._run(collective, schedule, plan, flat, op, call, plane)
         return True
+
+    @staticmethod
+    def _native(plane: Any) -> Any:
+        """The plane's native runs (:mod:`raycoll.transport.native_tcp`), or ``None`` (alike
+        on every rank): where a rank lacks the native core, or node lanes (Ray channels)
+        carry steps."""
+        native = getattr(plane, "native", None)
+        return native if native is not None and not plane.node_lanes else None
 
     def _run(self, collective: str, schedule: Schedule, plan: Plan, flat: np.ndarray,
              op: Optional[ReduceOp], call: Any, plane: Any) -> None:

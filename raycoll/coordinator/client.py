@@ -23,6 +23,7 @@ import ray
 
 from raycoll import errors
 from raycoll.coordinator.logic import first_line, unwrap
+from raycoll.native import native_available
 
 __all__ = ["CoordinatorClient", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
            "PENDING_TIMEOUT_S", "rank_info"]
@@ -157,10 +158,11 @@ class CoordinatorClient:
         return self.wait(ref, timeout_s, **(where or {}))
 
     def submit_reject(self, key: str, ranks: Sequence[int], seq: int, rank: int, op: str,
-                      message: str) -> "ray.ObjectRef":
-        """Group rank ``rank`` rejected its arguments for collective ``seq``: fail it on
-        every rank. Does not wait."""
-        return self.handle.reject.remote(key, ranks, seq, rank, op, message)
+                      message: str, kind: str = "peer_arg") -> "ray.ObjectRef":
+        """Group rank ``rank`` rejected its arguments for collective ``seq`` (or, ``kind=
+        "mismatch"``, found the ranks' calls do not match): fail it on every rank. Does not
+        wait."""
+        return self.handle.reject.remote(key, ranks, seq, rank, op, message, kind)
 
     def submit_abort(self, key: str, kind: str, message: str,
                      extra: Optional[Dict[str, Any]] = None) -> "ray.ObjectRef":
@@ -257,7 +259,8 @@ def rank_info(address: Any = None) -> Dict[str, Any]:
     ``None``. (The coordinator imports no transport.)"""
     ctx = ray.get_runtime_context()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
-                            "time": time.time(), "addr": address}
+                            "time": time.time(), "addr": address,
+                            "native": native_available()}
     try:
         info["actor_id"] = ctx.get_actor_id()
         info["actor"] = ctx.current_actor if info["actor_id"] else None

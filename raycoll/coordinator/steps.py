@@ -77,13 +77,18 @@ class StepsMixin(CoordinatorState):
         """
         return await self.exchange(*request)
 
-    def reject(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str, message: str) -> Result:
-        """``rank`` rejected its own arguments for collective ``seq``: fail it on every rank."""
+    def reject(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str, message: str,
+               kind: str = "peer_arg") -> Result:
+        """``rank`` rejected its own arguments for collective ``seq`` (``kind="peer_arg"``), or
+        found that the ranks' calls do not match (``"mismatch"``: ``message`` says how): fail
+        it on every rank (the group goes on)."""
         self._groups[key] = tuple(ranks)
         st = self._step(key, seq, 0, op, len(ranks))
         if not st.done.is_set():
-            st.error = err("peer_arg", f"{op} #{seq} on group {key!r} cannot run: rank "
-                            f"{ranks[rank]} rejected its arguments: {message}", source=ranks[rank])
+            st.error = (err("mismatch", message, source=ranks[rank]) if kind == "mismatch"
+                        else err("peer_arg", f"{op} #{seq} on group {key!r} cannot run: rank "
+                                 f"{ranks[rank]} rejected its arguments: {message}",
+                                 source=ranks[rank]))
             self._finish(st)
         st.collected.add(rank)
         self._maybe_drop(key, 0, st)

@@ -6,6 +6,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "core.h"
+#include "net.h"
 #include "reduce.h"
 #include "segment.h"
 
@@ -130,6 +132,7 @@ typedef struct {
 } SegmentObject;
 
 static PyObject *SegmentError;
+static PyTypeObject SegmentType;
 
 static int seg_init(SegmentObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"name", "nranks", "rank", "half_bytes", "create", NULL};
@@ -212,35 +215,50 @@ static int parse_call(PyObject *wait, rc_call *call) {
     return 1;
 }
 
-static PyObject *status(int rc, int peer) { return Py_BuildValue("(ii)", rc, peer); }
-
-static PyObject *seg_run(SegmentObject *self, PyObject *args) {
-    PyObject *plan_obj, *bufs_obj, *wait, *check;
-    int dtype, op, divisor;
-    double factor;
-    unsigned long long call_seq;
-    Py_buffer fp;
-    if (!PyArg_ParseTuple(args, "OOiidiKy*OO", &plan_obj, &bufs_obj, &dtype, &op, &factor,
-                          &divisor, &call_seq, &fp, &wait, &check))
-        return NULL;
+/* A plan's run on a segment (or none) and the sockets of net (or none): net is
+ * (out_fds, in_fds, conns, fp_hash): int64 sockets by peer slot, each connection's kept
+ * state (RC_CONN_BYTES a slot, writable), the call's fingerprint hash. */
+static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *bufs_obj,
+                          int dtype, int op, double factor, int divisor,
+                          unsigned long long call_seq, Py_buffer *fp, PyObject *wait,
+                          PyObject *check, PyObject *net_obj) {
     PyObject *result = NULL;
     PyObject *seq = NULL;
-    Py_buffer plan;
-    int have_plan = 0;
+    Py_buffer plan, out_fds, in_fds, conns;
+    int have_plan = 0, have_net = 0;
     Py_buffer views[16];
     rc_buf bufs[16];
     Py_ssize_t nbufs = 0, got = 0;
     rc_call call;
+    rc_net net;
+    unsigned long long fp_hash = 0;
     memset(&call, 0, sizeof call);
-    if (!seg_open(self) || !parse_call(wait, &call)) goto done;
-    if (self->busy) {
+    memset(&net, 0, sizeof net);
+    if (segobj != NULL && !seg_open(segobj)) goto done;
+    if (!parse_call(wait, &call)) goto done;
+    if (segobj != NULL && segobj->busy) {
         PyErr_SetString(PyExc_RuntimeError, "the segment is busy with another call");
         goto done;
     }
-    if (fp.len > RC_FP_BYTES) {
-        PyErr_Format(PyExc_ValueError, "fingerprint of %zd bytes (at most %u)", fp.len,
+    if (fp->len > RC_FP_BYTES) {
+        PyErr_Format(PyExc_ValueError, "fingerprint of %zd bytes (at most %u)", fp->len,
                      RC_FP_BYTES);
         goto done;
+    }
+    if (net_obj != Py_None) {
+        if (!PyArg_ParseTuple(net_obj, "y*y*w*K", &out_fds, &in_fds, &conns, &fp_hash)) goto done;
+        have_net = 1;
+        Py_ssize_t npeers = out_fds.len / (Py_ssize_t)sizeof(int64_t);
+        if (out_fds.len != in_fds.len || out_fds.len % (Py_ssize_t)sizeof(int64_t) ||
+            conns.len != npeers * RC_CONN_BYTES || npeers > 2 * RC_MAX_RANKS) {
+            PyErr_SetString(PyExc_ValueError, "net: out_fds and in_fds are int64 per peer, "
+                            "conns RC_CONN_BYTES per peer");
+            goto done;
+        }
+        net.npeers = (int)npeers;
+        net.out_fd = (const int64_t *)out_fds.buf;
+        net.in_fd = (const int64_t *)in_fds.buf;
+        net.conns = (rc_conn *)conns.buf;
     }
     if (PyObject_GetBuffer(plan_obj, &plan, PyBUF_C_CONTIGUOUS) < 0) goto done;
     have_plan = 1;
@@ -267,27 +285,73 @@ static PyObject *seg_run(SegmentObject *self, PyObject *args) {
     call.factor = factor;
     call.divisor = divisor;
     call.call_seq = call_seq;
-    call.fp = (const uint8_t *)fp.buf;
-    call.fp_len = (uint32_t)fp.len;
+    call.fp = (const uint8_t *)fp->buf;
+    call.fp_len = (uint32_t)fp->len;
+    call.fp_hash = fp_hash;
     check_arg carg = {check, NULL};
     if (check != Py_None) {
         call.check = call_check;
         call.check_arg = &carg;
     }
     int peer = -1, rc;
-    self->busy = 1;
+    if (segobj != NULL) segobj->busy = 1;
     carg.ts = PyEval_SaveThread();
-    rc = rc_seg_run(&self->seg, (const int64_t *)plan.buf,
-                    (size_t)plan.len / (RC_OP_WORDS * sizeof(int64_t)), bufs, (int)nbufs, &call,
-                    &peer);
+    rc = rc_exec(segobj != NULL ? &segobj->seg : NULL, have_net ? &net : NULL,
+                 (const int64_t *)plan.buf, (size_t)plan.len / (RC_OP_WORDS * sizeof(int64_t)),
+                 bufs, (int)nbufs, &call, &peer);
     PyEval_RestoreThread(carg.ts);
-    self->busy = 0;
+    if (segobj != NULL) segobj->busy = 0;
     if (rc == RC_CHECK) goto done; /* the callback's exception is set */
-    result = status(rc, peer);
+    result = Py_BuildValue("(iii)", rc, peer, call.io_errno);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     Py_XDECREF(seq);
     if (have_plan) PyBuffer_Release(&plan);
+    if (have_net) {
+        PyBuffer_Release(&out_fds);
+        PyBuffer_Release(&in_fds);
+        PyBuffer_Release(&conns);
+    }
+    return result;
+}
+
+static PyObject *seg_run(SegmentObject *self, PyObject *args) {
+    PyObject *plan_obj, *bufs_obj, *wait, *check;
+    int dtype, op, divisor;
+    double factor;
+    unsigned long long call_seq;
+    Py_buffer fp;
+    if (!PyArg_ParseTuple(args, "OOiidiKy*OO", &plan_obj, &bufs_obj, &dtype, &op, &factor,
+                          &divisor, &call_seq, &fp, &wait, &check))
+        return NULL;
+    PyObject *result = run_plan(self, plan_obj, bufs_obj, dtype, op, factor, divisor, call_seq,
+                                &fp, wait, check, Py_None);
+    PyBuffer_Release(&fp);
+    if (result == NULL) return NULL;
+    /* (status, peer): a segment's run has no socket errno */
+    PyObject *pair = PyTuple_GetSlice(result, 0, 2);
+    Py_DECREF(result);
+    return pair;
+}
+
+static PyObject *py_execute(PyObject *module, PyObject *args) {
+    PyObject *seg_obj, *plan_obj, *bufs_obj, *wait, *check, *net_obj;
+    int dtype, op, divisor;
+    double factor;
+    unsigned long long call_seq;
+    Py_buffer fp;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOOiidiKy*OOO", &seg_obj, &plan_obj, &bufs_obj, &dtype, &op,
+                          &factor, &divisor, &call_seq, &fp, &wait, &check, &net_obj))
+        return NULL;
+    PyObject *result = NULL;
+    if (seg_obj != Py_None && !PyObject_TypeCheck(seg_obj, &SegmentType)) {
+        PyErr_SetString(PyExc_TypeError, "seg must be a Segment or None");
+    } else {
+        result = run_plan(seg_obj == Py_None ? NULL : (SegmentObject *)seg_obj, plan_obj,
+                          bufs_obj, dtype, op, factor, divisor, call_seq, &fp, wait, check,
+                          net_obj);
+    }
     PyBuffer_Release(&fp);
     return result;
 }
@@ -444,6 +508,10 @@ static PyTypeObject SegmentType = {
 };
 
 static PyMethodDef module_methods[] = {
+    {"execute", py_execute, METH_VARARGS,
+     "execute(seg, plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check, net) "
+     "-> (status, peer, errno): run a plan on a segment (or None) and sockets (net: "
+     "(out_fds, in_fds, conns, fp_hash), or None); GIL released"},
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(dtype, op, dst, srcs): dst = srcs[0] op srcs[1] op ..., elementwise"},
     {"finalize", py_finalize, METH_VARARGS,
@@ -481,7 +549,10 @@ PyMODINIT_FUNC PyInit__core(void) {
         {"BADPLAN", RC_BADPLAN}, {"CLOSED", RC_CLOSED}, {"SEQ", RC_SEQ},
         {"ABORT_FAILED", RC_ABORT_FAILED}, {"ABORT_CLOSED", RC_ABORT_CLOSED},
         {"FP_BYTES", RC_FP_BYTES}, {"PAGE", RC_PAGE}, {"MAX_RANKS", RC_MAX_RANKS},
-        {"OP_WORDS", RC_OP_WORDS},
+        {"OP_WORDS", RC_OP_WORDS}, {"OP_SEND", RC_OP_SEND}, {"OP_RECV", RC_OP_RECV},
+        {"OP_XFER", RC_OP_XFER}, {"OP_RED2", RC_OP_RED2}, {"OP_MREDUCE", RC_OP_MREDUCE},
+        {"PEER_CLOSED", RC_PEER_CLOSED}, {"FOREIGN", RC_FOREIGN}, {"GARBLED", RC_GARBLED},
+        {"IOERR", RC_IOERR}, {"CONN_BYTES", RC_CONN_BYTES}, {"MSG_MAGIC", (long)RC_MSG_MAGIC},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++) {
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {

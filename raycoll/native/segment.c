@@ -1,10 +1,10 @@
-/* The node segment: creating and mapping it, publishing steps, waiting for peers, and running
- * a plan's operations (see segment.h for the layout and the protocol). Plain C: no Python. */
+/* The node segment: creating and mapping it, publishing steps and waiting for the peers (see
+ * segment.h for the layout and the protocol; exec.c runs a plan's operations on it). Plain C:
+ * no Python. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "segment.h"
-#include "reduce.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,19 +33,6 @@ static inline uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(
 /* Whether step counter value seq has reached step s (32-bit counters wrap). */
 static inline int reached(uint32_t seq, uint32_t s) { return (int32_t)(seq - s) >= 0; }
 
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 /* ---------------------------------------------------------------- sleeping and waking */
 #ifdef __linux__
@@ -289,7 +276,7 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
     for (int r = 0; r < s->nranks; r++)
         if (r != s->me && !reached(load_acquire(&s->ctl[r].seq), step)) pending[npending++] = r;
     if (npending == 0) return RC_OK;
-    uint64_t start = now_ns();
+    uint64_t start = rc_now_ns();
     uint64_t spin_until = start + call->wait.spin_ns;
     /* Spin: where the ranks fit the cores, a peer's publish is seen within ~100 ns. */
     while (call->wait.spin_ns) {
@@ -298,11 +285,11 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
             if (!reached(load_acquire(&s->ctl[pending[i]].seq), step)) pending[left++] = pending[i];
         npending = left;
         if (npending == 0) return RC_OK;
-        if (now_ns() >= spin_until) {
+        if (rc_now_ns() >= spin_until) {
             s->spin_fails++;
             break;
         }
-        for (int k = 0; k < 32; k++) cpu_relax();
+        for (int k = 0; k < 32; k++) rc_cpu_relax();
     }
     /* Sleep on the first rank not there yet; check liveness, aborts and the caller's checks on
      * the way. */
@@ -318,7 +305,7 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
         if (npending == 0) return RC_OK;
         int rc = interrupted(s, peer);
         if (rc) return rc;
-        uint64_t now = now_ns();
+        uint64_t now = rc_now_ns();
         if (now >= live_at) {
             for (int i = 0; i < npending; i++) {
                 if (gone(s, pending[i])) {
@@ -334,7 +321,7 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
             check_every = check_every * 2 < call->wait.check_max_ns ? check_every * 2
                                                                      : call->wait.check_max_ns;
             if (check_every == 0) check_every = 1000000000ull;
-            check_at = now_ns() + check_every;
+            check_at = rc_now_ns() + check_every;
         }
         rc_ctl *other = &s->ctl[pending[0]];
         __atomic_add_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
@@ -342,7 +329,7 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
         if (!reached(seen, step) && __atomic_load_n(&other->abort, __ATOMIC_SEQ_CST) == 0 &&
             !s->closing) {
             uint64_t until = live_at < check_at ? live_at : check_at;
-            now = now_ns();
+            now = rc_now_ns();
             sleep_on(&other->seq, seen, until > now ? until - now : 1000ull);
         }
         __atomic_sub_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
@@ -384,113 +371,19 @@ static int compare_info(const rc_seg *s, uint32_t step, int *peer) {
     return RC_OK;
 }
 
-/* ---------------------------------------------------------------- plans */
-static int in_range(uint64_t off, uint64_t n, uint64_t len) { return n <= len && off <= len - n; }
-
-/* Every operation's ranges against the buffers and the slot halves, before anything moves. */
-static int check_plan(const rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs,
-                      int nbufs, const rc_call *call, int *bad) {
-    size_t esize = rc_dtype_size(call->dtype);
-    for (size_t i = 0; i < nops; i++) {
-        const int64_t *o = ops + i * RC_OP_WORDS;
-        int64_t kind = o[0], a = o[1], b = o[4];
-        uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
-        int ok = o[2] >= 0 && o[3] >= 0 && o[5] >= 0;
-        int dst_ok = (a == RC_BUF_NEXT && in_range(a_off, n, s->half)) ||
-                     (a >= 0 && a < nbufs && bufs[a].writable && in_range(a_off, n, bufs[a].len));
-        switch (kind) {
-        case RC_OP_WRITE:
-            ok = ok && a >= 0 && a < nbufs && in_range(a_off, n, bufs[a].len) &&
-                 in_range(b_off, n, s->half);
-            break;
-        case RC_OP_SYNC:
-            break;
-        case RC_OP_COPY:
-            ok = ok && dst_ok && b >= 0 && b < s->nranks && in_range(b_off, n, s->half);
-            break;
-        case RC_OP_REDUCE:
-            ok = ok && dst_ok && esize && n % esize == 0 && in_range(b_off, n, s->half) &&
-                 rc_reduce_supported(call->dtype, call->op);
-            break;
-        case RC_OP_LOCAL:
-            ok = ok && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < nbufs &&
-                 in_range(b_off, n, bufs[b].len);
-            break;
-        case RC_OP_FINAL:
-            ok = ok && dst_ok && a != RC_BUF_NEXT && esize && n % esize == 0;
-            break;
-        default:
-            ok = 0;
-        }
-        if (!ok) {
-            *bad = (int)i;
-            return RC_BADPLAN;
-        }
+/* ---------------------------------------------------------------- steps */
+int rc_seg_sync(rc_seg *s, int first, const rc_call *call, int *peer) {
+    uint32_t step = s->step + 1u;
+    if (first) {
+        rc_step_info *info = &s->ctl[s->me].info[step & 1u];
+        info->call_seq = call->call_seq;
+        info->step = step;
+        info->flags = RC_STEP_FIRST;
+        info->fp_len = call->fp_len;
+        memcpy(info->fp, call->fp, call->fp_len);
     }
-    return RC_OK;
-}
-
-int rc_seg_run(rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs, int nbufs,
-               const rc_call *call, int *peer) {
-    int rc = check_plan(s, ops, nops, bufs, nbufs, call, peer);
-    if (rc) return rc;
-    if (call->fp_len > RC_FP_BYTES) {
-        *peer = -1;
-        return RC_BADPLAN;
-    }
-    size_t esize = rc_dtype_size(call->dtype);
-    const void *srcs[RC_MAX_RANKS];
-    for (size_t i = 0; i < nops; i++) {
-        const int64_t *o = ops + i * RC_OP_WORDS;
-        uint32_t cur = s->step;
-        int64_t a = o[1];
-        uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
-        uint8_t *dst = a == RC_BUF_NEXT ? rc_seg_half(s, s->me, (int)((cur + 1u) & 1u)) + a_off
-                                        : (a >= 0 ? bufs[a].ptr + a_off : NULL);
-        switch (o[0]) {
-        case RC_OP_WRITE:
-            memcpy(rc_seg_half(s, s->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
-            break;
-        case RC_OP_SYNC: {
-            uint32_t step = cur + 1u;
-            int first = (o[6] & RC_STEP_FIRST) != 0;
-            if (first) {
-                rc_step_info *info = &s->ctl[s->me].info[step & 1u];
-                info->call_seq = call->call_seq;
-                info->step = step;
-                info->flags = RC_STEP_FIRST;
-                info->fp_len = call->fp_len;
-                memcpy(info->fp, call->fp, call->fp_len);
-            }
-            publish(s, step);
-            rc = wait_all(s, step, call, peer);
-            if (rc) return rc;
-            if (first) {
-                rc = compare_info(s, step, peer);
-                if (rc == RC_RETRY) {
-                    i = (size_t)-1; /* this step stood in for an earlier call: again */
-                    continue;
-                }
-                if (rc) return rc;
-            }
-            break;
-        }
-        case RC_OP_COPY:
-            memcpy(dst, rc_seg_half(s, (int)o[4], (int)(cur & 1u)) + b_off, n);
-            break;
-        case RC_OP_REDUCE:
-            for (int r = 0; r < s->nranks; r++) srcs[r] = rc_seg_half(s, r, (int)(cur & 1u)) + b_off;
-            rc_reduce(call->dtype, call->op, dst, srcs, s->nranks, n / esize);
-            if (o[6] & RC_FLAG_FINAL)
-                rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
-            break;
-        case RC_OP_LOCAL:
-            memmove(dst, bufs[o[4]].ptr + b_off, n);
-            break;
-        case RC_OP_FINAL:
-            rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
-            break;
-        }
-    }
-    return RC_OK;
+    publish(s, step);
+    int rc = wait_all(s, step, call, peer);
+    if (rc == RC_OK && first) rc = compare_info(s, step, peer);
+    return rc;
 }

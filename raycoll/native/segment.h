@@ -17,7 +17,8 @@
  *                                  parity p (data_off and half_bytes are multiples of 4096)
  *
  * Execution is a sequence of *steps*, the same on every local rank (the planner in Python
- * makes them: raycoll/algorithms/segment_plans.py). Each rank counts its steps; in step s it
+ * makes them: raycoll/algorithms/segment_plans.py; core.h's rc_exec runs them). Each rank
+ * counts its steps; in step s it
  *   1. writes what it sends into its own slot half s % 2 (and, on a call's first step, its
  *      fingerprint and call into info[s % 2]: see compare_info in segment.c for the ranks
  *      meeting at a step with different calls);
@@ -38,6 +39,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "core.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -102,7 +105,7 @@ typedef struct {
 } rc_ctl;
 
 /* One process's view of a segment. */
-typedef struct {
+typedef struct rc_seg {
     uint8_t *base;
     size_t len;
     rc_seg_header *hdr;
@@ -117,70 +120,6 @@ typedef struct {
     char name[RC_NAME_MAX];
 } rc_seg;
 
-/* What a plan's operations point into. */
-typedef struct {
-    uint8_t *ptr;
-    uint64_t len;
-    int writable;
-} rc_buf;
-
-/* Operation kinds of a plan (8 int64 words an operation: kind, a, a_off, n, b, b_off, flags,
- * 0). Buffer ids >= 0 name the call's buffers; RC_BUF_NEXT is this rank's own slot half of
- * the next step (writable during the read phase of a step). */
-enum {
-    RC_OP_WRITE = 1,  /* copy buf a[a_off, +n) into the own half of the coming step at b_off */
-    RC_OP_SYNC = 2,   /* publish the step, wait for every rank; flags: RC_STEP_FIRST */
-    RC_OP_COPY = 3,   /* copy rank b's half of this step [b_off, +n) into buf a at a_off */
-    RC_OP_REDUCE = 4, /* buf a[a_off, +n) = every rank's half [b_off, +n), reduced in rank
-                         order; flags & RC_FLAG_FINAL: then AVG's division / PREMUL's factor */
-    RC_OP_LOCAL = 5,  /* memmove buf b[b_off, +n) into buf a at a_off */
-    RC_OP_FINAL = 6,  /* AVG's division / PREMUL's factor over buf a[a_off, +n) */
-};
-#define RC_BUF_NEXT (-2)
-#define RC_FLAG_FINAL 1
-#define RC_OP_WORDS 8
-
-/* Results of rc_seg_run (the peer is in *peer where one is named). */
-enum {
-    RC_OK = 0,
-    RC_MISMATCH = 1, /* the ranks' fingerprints differ on the call's first step */
-    RC_ABORTED = 3,  /* *peer gave up on the group (its abort flag) */
-    RC_DEAD = 4,     /* *peer's process is gone */
-    RC_CHECK = 5,    /* the check callback raised (its exception is set) */
-    RC_BADPLAN = 6,  /* an operation out of bounds (*peer: its index); nothing was published */
-    RC_CLOSED = 7,   /* this rank closed the segment while it waited */
-    RC_SEQ = 8,      /* *peer is at a later call: this rank's call took other paths there
-                        (it rejected its arguments, say), so it fails here */
-    RC_RETRY = 9,    /* (internal) this rank's step stood in for a peer's earlier call */
-};
-
-/* The waiting policy of one run. */
-typedef struct {
-    uint64_t spin_ns;    /* spin this long before sleeping (0: ranks outnumber the cores) */
-    uint64_t tick_ns;    /* longest single sleep: liveness and the abort flags are checked
-                            at least this often */
-    uint64_t check_ns;   /* call the check callback after this much waiting ... */
-    uint64_t check_max_ns; /* ... then at intervals doubling up to this */
-} rc_wait_policy;
-
-/* Called (with the waited time and the ranks not yet arrived) while a run waits; nonzero
- * ends the run with RC_CHECK. */
-typedef int (*rc_check_fn)(void *arg, double waited_s, const int *pending, int npending);
-
-/* Everything one run needs beside the plan and the buffers. */
-typedef struct {
-    int dtype;        /* RC_DT_* (reduce.h), for RC_OP_REDUCE / RC_OP_FINAL */
-    int op;           /* RC_RED_* */
-    double factor;    /* PREMUL_SUM's factor */
-    int divisor;      /* AVG's divisor: the ranks reduced */
-    uint64_t call_seq;
-    const uint8_t *fp;
-    uint32_t fp_len;
-    rc_wait_policy wait;
-    rc_check_fn check;
-    void *check_arg;
-} rc_call;
-
 size_t rc_seg_total_bytes(int nranks, uint64_t half_bytes);
 /* 0 or an errno; err gets a message. */
 int rc_seg_create(rc_seg *s, const char *name, int nranks, int me, uint64_t half_bytes,
@@ -191,9 +130,11 @@ int rc_seg_unlink(const char *name);
 void rc_seg_unmap(rc_seg *s);
 /* Tell the peers this rank gave up (reason RC_ABORT_*), and wake every sleeper. */
 void rc_seg_abort(rc_seg *s, uint32_t reason);
-/* Run a plan (ops: nops * RC_OP_WORDS int64 words). Returns RC_*; *peer names a rank. */
-int rc_seg_run(rc_seg *s, const int64_t *ops, size_t nops, const rc_buf *bufs, int nbufs,
-               const rc_call *call, int *peer);
+/* One step: fill in this rank's step info (when first: the call's first step), publish the
+ * next step, wait for every rank, and (when first) compare the infos: RC_OK, RC_RETRY (this
+ * step stood in for a peer's earlier call: run the call again from the next step), or a
+ * failure (*peer names a rank). */
+int rc_seg_sync(rc_seg *s, int first, const rc_call *call, int *peer);
 /* The bytes of rank r's half p. */
 uint8_t *rc_seg_half(const rc_seg *s, int r, int p);
 

@@ -41,7 +41,7 @@ _HELLO_MAGIC = b"RCL1"
 _SECRET_BYTES = 16
 #: magic, secret, sender rank, purpose, group-name length
 _HELLO = struct.Struct(f"!4s{_SECRET_BYTES}sIBH")
-_PURPOSES = ("coll", "p2p")
+_PURPOSES = ("coll", "p2p", "ncoll")
 #: A hello must arrive this fast, and its group be known here within this long.
 HELLO_TIMEOUT_S = 10.0
 #: A closed connection waits this long for the coordinator to explain it before its peer

@@ -31,7 +31,6 @@ released while it copies, reduces and waits, and no Python runs between two step
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import logging
 import time
@@ -49,6 +48,7 @@ from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
 from raycoll.transport.base import REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own
+from raycoll.transport.fingerprints import Fingerprints
 from raycoll.transport.frames import decode_frame, encode_round
 from raycoll.transport.lane import oversubscribed
 
@@ -76,10 +76,11 @@ ONE_STEP_BYTES = 64 << 10
 
 
 def segment_possible(ctx: "GroupContext") -> bool:
-    """Whether group ``ctx`` can run on a node segment: the native core is built and on,
-    2+ ranks, all on this node, no more than the option ``lane_max_ranks`` (if set) nor
+    """Whether group ``ctx`` can run on a node segment: the native core is built and on
+    (on every rank),  2+ ranks, all on this node, no more than the option ``lane_max_ranks`` (if set) nor
     the core's limit (1,024)."""
-    if core is None or ctx.size < 2 or not ctx.single_node or ctx.size > core.MAX_RANKS:
+    if core is None or not ctx.native or ctx.size < 2 or not ctx.single_node \
+            or ctx.size > core.MAX_RANKS:
         return False
     limit = ctx.options.lane_max_ranks
     return limit is None or ctx.size <= limit
@@ -153,43 +154,14 @@ def set_up_segment(ctx: "GroupContext", call: "Call") -> Optional["SegmentLane"]
     return SegmentLane(ctx, seg)
 
 
-class _Fingerprints:
-    """A call's fingerprint as the bytes the segment compares (``repr`` of the sorted
-    dict, decoded back for the error message), cached per fingerprint."""
-
-    def __init__(self) -> None:
-        self._cache: Dict[Any, bytes] = {}
-
-    def encode(self, fp: Dict[str, Any]) -> bytes:
-        key = tuple(sorted(fp.items()))
-        blob = self._cache.get(key)
-        if blob is None:
-            blob = repr(dict(key)).encode()
-            if len(blob) > core.FP_BYTES:
-                blob = b"#" + hashlib.blake2b(blob, digest_size=32).digest()
-            if len(self._cache) > 1024:
-                self._cache.clear()
-            self._cache[key] = blob
-        return blob
-
-    @staticmethod
-    def decode(blob: bytes) -> Dict[str, Any]:
-        if blob.startswith(b"#"):
-            return {"fingerprint": blob[1:9].hex()}
-        try:
-            value = ast.literal_eval(blob.decode())
-            return value if isinstance(value, dict) else {"fingerprint": repr(value)}
-        except (ValueError, SyntaxError, UnicodeDecodeError):
-            return {"fingerprint": blob.hex()}
-
-
 class SegmentLane(RoundTransport):
     """A group's node segment on this rank: the native collectives, and rounds of Python
     payloads (:meth:`all_gather`) for what has no native plan."""
 
     name = "node segment"
     kind = "lane"
-    native = True
+    #: (what the backend asks to take the node segment's paths)
+    is_segment = True
 
     def __init__(self, ctx: "GroupContext", seg: Any) -> None:
         super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
@@ -198,7 +170,7 @@ class SegmentLane(RoundTransport):
         self.crowded = oversubscribed(ctx.size)
         spin = float(or_default(ctx.options.segment_spin_s, SPIN_S))
         self._spin_ns = 0 if self.crowded else int(spin * 1e9)
-        self._fps = _Fingerprints()
+        self._fps = Fingerprints()
         self._mem = memoryview(seg)
         self.one_step_bytes = ONE_STEP_BYTES
         #: the most a step carries: the half, or less where the options lane_bytes or
@@ -330,7 +302,7 @@ class SegmentLane(RoundTransport):
         ranks = self.ctx.global_ranks
         if status == core.MISMATCH:
             parity = self.seg.step & 1
-            fps = {r: _Fingerprints.decode(self.seg.info(r, parity)["fp"])
+            fps = {r: Fingerprints.decode(self.seg.info(r, parity)["fp"])
                    for r in range(self.ctx.size)}
             problem = fingerprint_mismatch(fps, ranks) or "the ranks' fingerprints differ"
             return errors.CollectiveMismatchError(f"{where}: {problem}", **self.ctx.ctx(call))

@@ -103,6 +103,7 @@ class GroupTransports:
         else:
             lane.release_channel(ctx, mine, mates)
         tcp.same_node = "lane" if all(lanes.values()) else "unix"
+        tcp.node_lanes = any(lanes.values())  # (alike on every rank)
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
         ctx = self.ctx

@@ -63,7 +63,10 @@ from raycoll.transport.links import (
     peer_failure,
     tcp_possible,
 )
+from raycoll.transport.lane import oversubscribed
 from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
+from raycoll.transport.native_tcp import NativeSockets, native_sockets_possible
+from raycoll.transport.node_lane import host_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -100,6 +103,29 @@ class TcpTransport(RoundTransport):
         #: the link class between two ranks of one node, for the cost model: ``"lane"`` once
         #: every node with several ranks has its lane
         self.same_node = "unix"
+        #: whether any node of the group has a node lane (its ranks then run the schedules'
+        #: steps in Python, and so must every rank)
+        self.node_lanes = False
+        #: the schedules' native runs, where every rank has the native core
+        self.native: Optional[NativeSockets] = (
+            NativeSockets(self, oversubscribed(host_ranks(ctx)))
+            if native_sockets_possible(ctx, self._peers) else None)
+
+    def run_native(self, call: "Call", plan: Any, flat: Any, codes: Any, op: Any) -> None:
+        """Run a schedule's native ``plan`` for ``call`` (see :mod:`.native_tcp`)."""
+        assert self.native is not None, "run_native needs the native core on every rank"
+        self.native.run(call, plan, flat, codes, op)
+        self._done = (call.op, call.seq)
+        self.calls += 1
+        self.report()
+
+    def fail_broken(self) -> None:
+        """A native run broke the group: close, so that a rank arriving late fails too."""
+        self._poisoned = True
+        try:
+            self._shut()
+        except Exception:  # noqa: BLE001 - best effort: the coordinator knows
+            pass
 
     def _out(self, dst: int) -> Out:
         out = self._outs.get(dst)

@@ -1,0 +1,156 @@
+"""One rank's part of a :class:`~raycoll.algorithms.schedule.Schedule` as operations of the
+native executor over sockets (``raycoll/native/core.h``; run by
+:mod:`raycoll.transport.tcp`'s native path).
+
+Buffers: 0 is the rank's flat buffer (in place, the schedule's layout), 1 a scratch buffer of
+:attr:`NativePlan.scratch` bytes. Peers are group ranks. Each step of the schedule becomes:
+
+- the step's messages: a ``SEND`` per transfer this rank sends (those to one peer, in the
+  schedule's order, form one message), a ``RECV`` per transfer it receives: a copy straight
+  into the buffer, unless the range is one this rank also sends in the step (then into the
+  scratch, copied after), a reduction into the scratch; then one ``XFER`` that moves them;
+- then what came is applied, in the schedule's order: staged copies (``LOCAL``), and each
+  range's reductions: one source as ``range = range op source`` (``RED2``), several (the
+  direct exchange, where every peer's buffer reduces into every rank's) as one reduction of
+  the range's own value and every source in rank order (``MREDUCE``), so that every rank
+  holds bitwise the same result;
+- after the last step, AVG's division or PREMUL_SUM's factor over the rank's result range
+  (``FINAL``).
+
+:attr:`NativePlan.counts` is what the rank's counters gain (``ProcessGroup.counters()``
+stays exact), computed once per plan as the Python rounds count them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycoll.algorithms.schedule import Schedule, Transfer
+from raycoll.transport.counters import Counters
+
+__all__ = ["NativePlan", "plan_schedule", "SEND", "RECV", "XFER", "RED2", "MREDUCE", "LOCAL",
+           "FINAL"]
+
+LOCAL, FINAL, SEND, RECV, XFER, RED2, MREDUCE = 5, 6, 7, 8, 9, 10, 11
+FLAT, SCRATCH = 0, 1
+
+Op = Tuple[int, int, int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """A rank's operations (``ops``: n x 8 int64, read-only), the scratch bytes they need,
+    the peers they send to and receive from, the steps, and the counters they add."""
+
+    ops: np.ndarray
+    scratch: int
+    sends_to: Tuple[int, ...]
+    recvs_from: Tuple[int, ...]
+    rounds: int
+    counts: Counters
+
+
+def _overlaps(lo: int, hi: int, ranges: Sequence[Tuple[int, int]]) -> bool:
+    return any(lo < b and a < hi for a, b in ranges)
+
+
+def plan_schedule(schedule: Schedule, rank: int, itemsize: int, reducing: bool,
+                  nodes: Sequence[str]) -> NativePlan:
+    """Rank ``rank``'s operations for ``schedule`` over a buffer of ``itemsize``-byte elements
+    (``reducing``: the op needs its final step, AVG's or PREMUL_SUM's); ``nodes`` are the
+    ranks' node ids (for the counters' same-node / other-node bytes)."""
+    ops: List[Op] = []
+    scratch = 0
+    counts = Counters()
+    sends_to: Dict[int, None] = {}
+    recvs_from: Dict[int, None] = {}
+    rounds = 0
+    for step_no, (sends, recvs) in enumerate(schedule.per_rank(rank)):
+        by_dst: Dict[int, List[Transfer]] = {}
+        for t in sends:
+            by_dst.setdefault(t.dst, []).append(t)
+        sent_ranges = [(t.lo, t.hi) for t in sends]
+        for dst in sorted(by_dst):
+            nbytes = 0
+            for t in by_dst[dst]:
+                ops.append((SEND, FLAT, t.lo * itemsize, (t.hi - t.lo) * itemsize, dst, 0, 0, 0))
+                nbytes += (t.hi - t.lo) * itemsize
+            counts.sent(dst, nbytes, nodes[dst] == nodes[rank])
+            sends_to[dst] = None
+        by_src: Dict[int, List[Transfer]] = {}
+        for t in recvs:
+            by_src.setdefault(t.src, []).append(t)
+        at = 0  # the step's scratch
+        staged: Dict[Transfer, int] = {}
+        for src in sorted(by_src):
+            nbytes = 0
+            for t in by_src[src]:
+                n = (t.hi - t.lo) * itemsize
+                nbytes += n
+                if t.reduce or _overlaps(t.lo, t.hi, sent_ranges):
+                    ops.append((RECV, SCRATCH, at, n, src, 0, 0, 0))
+                    staged[t] = at
+                    at += n
+                else:
+                    ops.append((RECV, FLAT, t.lo * itemsize, n, src, 0, 0, 0))
+            counts.received(src, nbytes, nodes[src] == nodes[rank])
+            recvs_from[src] = None
+        if sends or recvs:
+            ops.append((XFER, 0, 0, 0, 0, 0, 0, step_no))
+            rounds += 1
+        at = _apply(ops, recvs, staged, rank, itemsize, at)
+        scratch = max(scratch, at)
+    counts.rounds = rounds
+    if reducing and schedule.collective in ("all_reduce", "reduce_scatter", "reduce"):
+        lo, hi = schedule.results[rank]
+        if hi > lo:
+            ops.append((FINAL, FLAT, lo * itemsize, (hi - lo) * itemsize, 0, 0, 0, 0))
+    arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    arr.setflags(write=False)
+    return NativePlan(arr, scratch, tuple(sends_to), tuple(recvs_from), rounds, counts)
+
+
+def _apply(ops: List[Op], recvs: Sequence[Transfer], staged: Dict[Transfer, int], rank: int,
+           itemsize: int, at: int) -> int:
+    """Append what applies a step's staged receives, in the schedule's order (a range's
+    reductions at its first one); returns the scratch used."""
+    by_range: Dict[Tuple[int, int], List[Transfer]] = {}
+    for t in recvs:
+        if t.reduce:
+            by_range.setdefault((t.lo, t.hi), []).append(t)
+    done: Dict[Tuple[int, int], None] = {}
+    for t in recvs:
+        n = (t.hi - t.lo) * itemsize
+        if not t.reduce:
+            if t in staged:
+                ops.append((LOCAL, FLAT, t.lo * itemsize, n, SCRATCH, staged[t], 0, 0))
+            continue
+        key = (t.lo, t.hi)
+        if key in done:
+            continue
+        done[key] = None
+        group = by_range[key]
+        partial = any(t.lo < b and a < t.hi and (a, b) != key for a, b in by_range)
+        if len(group) == 1 or partial:  # one source (or ranges that cross): in order
+            for g in group:
+                ops.append((RED2, FLAT, g.lo * itemsize, n, SCRATCH, staged[g], 0, 0))
+            continue
+        # several sources into one range: its own value and theirs, reduced in rank order,
+        # from consecutive slots of the scratch
+        order = sorted([rank] + [g.src for g in group])
+        base = at
+        slot: Dict[int, int] = {r: base + i * n for i, r in enumerate(order)}
+        ops.append((LOCAL, SCRATCH, slot[rank], n, FLAT, t.lo * itemsize, 0, 0))
+        for g in group:
+            ops.append((LOCAL, SCRATCH, slot[g.src], n, SCRATCH, staged[g], 0, 0))
+        ops.append((MREDUCE, FLAT, t.lo * itemsize, n, SCRATCH, base, len(order), n))
+        at = base + len(order) * n
+    return at
+
+
+def staged_bytes(plan: Optional[NativePlan]) -> int:
+    """The scratch a plan needs (0 without one)."""
+    return plan.scratch if plan is not None else 0

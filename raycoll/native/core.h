@@ -1,0 +1,167 @@
+/*
+ * raycoll's native executor: what a plan is, what a call brings, and the run loop's results.
+ *
+ * Python plans (raycoll/algorithms/segment_plans.py for a node segment,
+ * raycoll/algorithms/native_plans.py for a schedule over sockets); this executes. A plan is
+ * a list of operations of 8 int64 words (kind, a, a_off, n, b, b_off, flags, extra) over the
+ * call's buffers (ids >= 0, checked against their lengths before anything moves), this rank's
+ * half of the node segment's next step (RC_BUF_NEXT), the node segment's halves (segment.h)
+ * and the group's sockets (net.h). Nothing here knows groups, Ray or Python.
+ */
+#ifndef RAYCOLL_CORE_H
+#define RAYCOLL_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A buffer of a call. */
+typedef struct {
+    uint8_t *ptr;
+    uint64_t len;
+    int writable;
+} rc_buf;
+
+/* Operation kinds. On the node segment (segment.h):
+ *   WRITE   buf a[a_off, +n) into this rank's half of the coming step at b_off
+ *   SYNC    publish the step, wait for every local rank (flags: RC_STEP_FIRST on a call's
+ *           first step: fingerprints and calls compared before anything is read)
+ *   COPY    local rank b's half of this step [b_off, +n) into buf a at a_off
+ *   REDUCE  buf a[a_off, +n) = every local rank's half [b_off, +n) reduced in rank order
+ *           (flags & RC_FLAG_FINAL: then AVG's division / PREMUL's factor)
+ * Over sockets (net.h):
+ *   SEND    buf a[a_off, +n) to peer b (consecutive SENDs to one peer: one message)
+ *   RECV    peer b's next message (consecutive RECVs from one peer: its parts, in order)
+ *           into buf a at a_off, n bytes
+ *   XFER    move the SENDs and RECVs since the last XFER (extra: the step's number, which the
+ *           messages' headers carry)
+ * Local:
+ *   LOCAL   memmove buf b[b_off, +n) into buf a at a_off
+ *   FINAL   AVG's division / PREMUL's factor over buf a[a_off, +n)
+ *   RED2    buf a[a_off, +n) = itself op buf b[b_off, +n)
+ *   MREDUCE buf a[a_off, +n) = buf b's flags sources at b_off, b_off + extra, ... reduced in
+ *           order (flags >= 1; the sources may not overlap the destination)
+ */
+enum {
+    RC_OP_WRITE = 1,
+    RC_OP_SYNC = 2,
+    RC_OP_COPY = 3,
+    RC_OP_REDUCE = 4,
+    RC_OP_LOCAL = 5,
+    RC_OP_FINAL = 6,
+    RC_OP_SEND = 7,
+    RC_OP_RECV = 8,
+    RC_OP_XFER = 9,
+    RC_OP_RED2 = 10,
+    RC_OP_MREDUCE = 11,
+};
+#define RC_BUF_NEXT (-2)
+#define RC_FLAG_FINAL 1
+#define RC_OP_WORDS 8
+
+/* Results of a run (the rank or peer is in *peer where one is named). */
+enum {
+    RC_OK = 0,
+    RC_MISMATCH = 1,  /* fingerprints differ: on the segment's first step, or in a message's
+                         header (*peer sent it); nothing of the call was read */
+    RC_ABORTED = 3,   /* local rank *peer gave up on the group (its abort flag) */
+    RC_DEAD = 4,      /* local rank *peer's process is gone */
+    RC_CHECK = 5,     /* the check callback raised (its exception is set) */
+    RC_BADPLAN = 6,   /* an operation out of bounds (*peer: its index); nothing was published */
+    RC_CLOSED = 7,    /* this rank closed the segment while it waited */
+    RC_SEQ = 8,       /* *peer is at a later call: this rank's call took other paths there
+                         (it rejected its arguments, say), so it fails here */
+    RC_RETRY = 9,     /* (internal) this rank's step stood in for a peer's earlier call */
+    RC_PEER_CLOSED = 10, /* peer *peer's connection closed (its process died, or it left) */
+    RC_FOREIGN = 11,  /* peer *peer sent a frame of the Python transports (a goodbye) */
+    RC_GARBLED = 12,  /* peer *peer's stream does not parse */
+    RC_IOERR = 13,    /* a socket call failed (errno in the call's io_errno) */
+};
+
+/* The waiting policy of one run. */
+typedef struct {
+    uint64_t spin_ns;      /* spin this long before sleeping (0: ranks outnumber the cores) */
+    uint64_t tick_ns;      /* longest single sleep: liveness and abort flags are checked at
+                              least this often */
+    uint64_t check_ns;     /* call the check callback after this much waiting ... */
+    uint64_t check_max_ns; /* ... then at intervals doubling up to this */
+} rc_wait_policy;
+
+/* Called (with the waited time and the ranks or peers not yet heard from) while a run
+ * waits; nonzero ends the run with RC_CHECK. */
+typedef int (*rc_check_fn)(void *arg, double waited_s, const int *pending, int npending);
+
+/* Everything one run needs beside the plan and the buffers. */
+typedef struct {
+    int dtype;        /* RC_DT_* (reduce.h), for the reductions and FINAL */
+    int op;           /* RC_RED_* */
+    double factor;    /* PREMUL_SUM's factor */
+    int divisor;      /* AVG's divisor: the ranks reduced */
+    uint64_t call_seq;
+    const uint8_t *fp; /* the call's fingerprint (the segment compares it whole) */
+    uint32_t fp_len;
+    uint64_t fp_hash; /* ... and its hash (the sockets' headers carry it) */
+    rc_wait_policy wait;
+    rc_check_fn check;
+    void *check_arg;
+    int io_errno;     /* RC_IOERR: the errno */
+} rc_call;
+
+struct rc_seg;
+struct rc_net;
+
+/* Run a plan (nops operations of RC_OP_WORDS words) on the node segment seg and the sockets
+ * net (either may be NULL where the plan uses none of its operations). Returns RC_*. */
+int rc_exec(struct rc_seg *seg, struct rc_net *net, const int64_t *ops, size_t nops,
+            const rc_buf *bufs, int nbufs, rc_call *call, int *peer);
+
+/* ---------------------------------------------------------------- shared by the waits */
+static inline uint64_t rc_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void rc_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The caller's check and the deadline of a wait: a wait calls rc_waiter_due() on its way and
+ * rc_waiter_check() when it says so. */
+typedef struct {
+    uint64_t start;
+    uint64_t check_at;
+    uint64_t check_every;
+} rc_waiter;
+
+static inline void rc_waiter_start(rc_waiter *w, const rc_call *call) {
+    w->start = rc_now_ns();
+    w->check_every = call->wait.check_ns ? call->wait.check_ns : 100000000ull;
+    w->check_at = w->start + w->check_every;
+}
+
+/* Nonzero (RC_CHECK) if the check callback raised. */
+static inline int rc_waiter_check(rc_waiter *w, const rc_call *call, const int *pending,
+                                  int npending) {
+    uint64_t now = rc_now_ns();
+    if (now < w->check_at || call->check == NULL) return 0;
+    if (call->check(call->check_arg, (double)(now - w->start) / 1e9, pending, npending))
+        return RC_CHECK;
+    uint64_t most = call->wait.check_max_ns ? call->wait.check_max_ns : 1000000000ull;
+    w->check_every = w->check_every * 2 < most ? w->check_every * 2 : most;
+    w->check_at = rc_now_ns() + w->check_every;
+    return 0;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,172 @@
+/* Running a plan: every operation's ranges checked first, then the operations in order, on the
+ * node segment (segment.c), the sockets (net.c) and the call's buffers (see core.h). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "core.h"
+#include "net.h"
+#include "reduce.h"
+#include "segment.h"
+
+#include <string.h>
+
+static int in_range(uint64_t off, uint64_t n, uint64_t len) { return n <= len && off <= len - n; }
+
+static int overlap(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) {
+    return an && bn && a < b + bn && b < a + an;
+}
+
+/* Whether operation o may run: its buffers exist, its ranges lie inside them and the
+ * segment's halves, what it writes is writable, its peers and sockets exist. */
+static int op_ok(const rc_seg *seg, const rc_net *net, const int64_t *o, const rc_buf *bufs,
+                 int nbufs, const rc_call *call) {
+    int64_t kind = o[0], a = o[1], b = o[4];
+    if (o[2] < 0 || o[3] < 0 || o[5] < 0) return 0;
+    uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
+    size_t esize = rc_dtype_size(call->dtype);
+    uint64_t half = seg != NULL ? seg->half : 0;
+    int a_buf = a >= 0 && a < nbufs;
+    int b_buf = b >= 0 && b < nbufs;
+    int src_ok = a_buf && in_range(a_off, n, bufs[a].len);
+    int dst_ok = (a == RC_BUF_NEXT && seg != NULL && in_range(a_off, n, half)) ||
+                 (src_ok && bufs[a].writable);
+    int whole = esize && n % esize == 0;
+    switch (kind) {
+    case RC_OP_WRITE:
+        return seg != NULL && src_ok && in_range(b_off, n, half);
+    case RC_OP_SYNC:
+        return seg != NULL;
+    case RC_OP_COPY:
+        return seg != NULL && dst_ok && b >= 0 && b < seg->nranks && in_range(b_off, n, half);
+    case RC_OP_REDUCE:
+        return seg != NULL && dst_ok && whole && in_range(b_off, n, half) &&
+               rc_reduce_supported(call->dtype, call->op);
+    case RC_OP_LOCAL:
+        return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len);
+    case RC_OP_FINAL:
+        return dst_ok && a != RC_BUF_NEXT && whole;
+    case RC_OP_SEND:
+        return net != NULL && src_ok && b >= 0 && b < net->npeers && net->out_fd[b] >= 0;
+    case RC_OP_RECV:
+        return net != NULL && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < net->npeers &&
+               net->in_fd[b] >= 0;
+    case RC_OP_XFER:
+        return net != NULL && o[7] >= 0 && o[7] <= 0xffffffffll;
+    case RC_OP_RED2:
+        return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len) && whole &&
+               rc_reduce_supported(call->dtype, call->op) &&
+               !(a == b && overlap(a_off, n, b_off, n) && a_off != b_off);
+    case RC_OP_MREDUCE: {
+        int64_t k = o[6], stride = o[7];
+        if (!(dst_ok && a != RC_BUF_NEXT && b_buf && whole && k >= 1 && k <= RC_MAX_RANKS &&
+              stride >= 0 && rc_reduce_supported(call->dtype, call->op)))
+            return 0;
+        uint64_t last = b_off + (uint64_t)(k - 1) * (uint64_t)stride;
+        if ((uint64_t)stride > bufs[b].len || !in_range(last, n, bufs[b].len)) return 0;
+        for (int64_t j = 0; j < k; j++)
+            if (a == b && overlap(a_off, n, b_off + (uint64_t)(j * stride), n)) return 0;
+        return 1;
+    }
+    default:
+        return 0;
+    }
+}
+
+/* Every operation against the buffers, the segment and the sockets, and SENDs and RECVs only
+ * right before their XFER: before anything moves. */
+static int check_plan(const rc_seg *seg, const rc_net *net, const int64_t *ops, size_t nops,
+                      const rc_buf *bufs, int nbufs, const rc_call *call, int *bad) {
+    int moving = 0; /* SENDs or RECVs wait for their XFER */
+    for (size_t i = 0; i < nops; i++) {
+        const int64_t *o = ops + i * RC_OP_WORDS;
+        int ok = op_ok(seg, net, o, bufs, nbufs, call);
+        if (o[0] == RC_OP_SEND || o[0] == RC_OP_RECV)
+            moving = 1;
+        else if (o[0] == RC_OP_XFER)
+            moving = 0;
+        else if (moving)
+            ok = 0;
+        if (!ok || (moving && i + 1 == nops)) {
+            *bad = (int)i;
+            return RC_BADPLAN;
+        }
+    }
+    return RC_OK;
+}
+
+int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs,
+            int nbufs, rc_call *call, int *peer) {
+    int rc = check_plan(seg, net, ops, nops, bufs, nbufs, call, peer);
+    if (rc) return rc;
+    if (call->fp_len > RC_FP_BYTES) {
+        *peer = -1;
+        return RC_BADPLAN;
+    }
+    size_t esize = rc_dtype_size(call->dtype);
+    const void *srcs[RC_MAX_RANKS];
+    size_t moving_from = 0; /* the first SEND / RECV of the coming XFER */
+    int moved = 0;          /* an XFER ran: a step cannot stand in for another call now */
+    for (size_t i = 0; i < nops; i++) {
+        const int64_t *o = ops + i * RC_OP_WORDS;
+        int64_t a = o[1];
+        uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
+        uint32_t cur = seg != NULL ? seg->step : 0;
+        uint8_t *dst = a == RC_BUF_NEXT ? rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + a_off
+                                        : (a >= 0 ? bufs[a].ptr + a_off : NULL);
+        switch (o[0]) {
+        case RC_OP_WRITE:
+            memcpy(rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
+            break;
+        case RC_OP_SYNC:
+            rc = rc_seg_sync(seg, (o[6] & RC_STEP_FIRST) != 0, call, peer);
+            if (rc == RC_RETRY) {
+                if (moved) {  /* its messages are gone: the call fails, its step taken */
+                    *peer = -1;
+                    return RC_SEQ;
+                }
+                i = (size_t)-1; /* this step stood in for an earlier call: again */
+                continue;
+            }
+            if (rc) return rc;
+            break;
+        case RC_OP_COPY:
+            memcpy(dst, rc_seg_half(seg, (int)o[4], (int)(cur & 1u)) + b_off, n);
+            break;
+        case RC_OP_REDUCE:
+            for (int r = 0; r < seg->nranks; r++) srcs[r] = rc_seg_half(seg, r, (int)(cur & 1u)) + b_off;
+            rc_reduce(call->dtype, call->op, dst, srcs, seg->nranks, n / esize);
+            if (o[6] & RC_FLAG_FINAL)
+                rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
+            break;
+        case RC_OP_LOCAL:
+            memmove(dst, bufs[o[4]].ptr + b_off, n);
+            break;
+        case RC_OP_FINAL:
+            rc_finalize(call->dtype, call->op, dst, n / esize, call->divisor, call->factor);
+            break;
+        case RC_OP_SEND:
+        case RC_OP_RECV:
+            if (i == 0 || (ops[(i - 1) * RC_OP_WORDS] != RC_OP_SEND &&
+                           ops[(i - 1) * RC_OP_WORDS] != RC_OP_RECV))
+                moving_from = i;
+            break;
+        case RC_OP_XFER:
+            rc = rc_net_xfer(net, ops + moving_from * RC_OP_WORDS, i - moving_from, bufs,
+                             (uint32_t)o[7], call, peer);
+            moved = 1;
+            moving_from = i + 1;
+            if (rc) return rc;
+            break;
+        case RC_OP_RED2:
+            srcs[0] = dst;
+            srcs[1] = bufs[o[4]].ptr + b_off;
+            rc_reduce(call->dtype, call->op, dst, srcs, 2, n / esize);
+            break;
+        case RC_OP_MREDUCE:
+            for (int64_t j = 0; j < o[6]; j++) srcs[j] = bufs[o[4]].ptr + b_off + (uint64_t)(j * o[7]);
+            rc_reduce(call->dtype, call->op, dst, srcs, (int)o[6], n / esize);
+            break;
+        }
+    }
+    return RC_OK;
+}

@@ -1,0 +1,70 @@
+/*
+ * raycoll's native sockets: the messages of a schedule's steps over the group's direct
+ * connections (raycoll/transport/links.py opens them; raycoll/transport/native_tcp.py plans
+ * what moves). Non-blocking sockets, waited on with poll; no Python between two messages.
+ *
+ * A message is a header (rc_msg, 32 bytes, little-endian) and its bytes. The receiver reads
+ * the header before any byte of the message, and:
+ *   - a message of an earlier call (call_seq below this call's: a call that failed here
+ *     after its peer sent) is skipped, its bytes read and dropped;
+ *   - a message of a later call (its sender left this call out) is kept for that call (the
+ *     header, in the connection's rc_conn; the bytes stay in the socket), and this call
+ *     fails (RC_SEQ);
+ *   - a message whose step, fingerprint or size is not what this rank expects fails the call
+ *     (RC_MISMATCH), its bytes read and dropped;
+ * and a rank whose call fails completes the messages it is in the middle of sending or
+ * reading, and starts no other: every stream stays whole, so the group goes on.
+ */
+#ifndef RAYCOLL_NET_H
+#define RAYCOLL_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RC_MSG_MAGIC 0x3158434Eu /* the bytes "NCX1" (not "RC": frames.py's magic) */
+/* A frame of the Python transports starts with these two bytes (frames.py's magic). */
+#define RC_FOREIGN_0 0x52u
+#define RC_FOREIGN_1 0x43u
+
+/* A message's header. */
+typedef struct {
+    uint32_t magic;    /* RC_MSG_MAGIC */
+    uint32_t step;     /* the XFER's number in its call */
+    uint64_t call_seq; /* the collective's sequence number in its process group */
+    uint64_t fp;       /* the call's fingerprint hash */
+    uint64_t nbytes;   /* the bytes that follow */
+} rc_msg;
+
+/* What a connection keeps between calls (RC_CONN_BYTES each, Python-owned): a header read
+ * ahead, that belongs to a later call. */
+#define RC_CONN_BYTES 64
+typedef struct {
+    uint32_t held; /* 1: msg is the next message's header, already read */
+    uint32_t pad;
+    rc_msg msg;
+    uint8_t pad2[RC_CONN_BYTES - 8 - sizeof(rc_msg)];
+} rc_conn;
+
+/* A group's sockets for one run, by peer slot (the plan's peer numbers). */
+typedef struct rc_net {
+    int npeers;
+    const int64_t *out_fd; /* the socket to send to peer i (-1: none) */
+    const int64_t *in_fd;  /* the socket to receive from peer i (-1: none) */
+    rc_conn *conns;        /* npeers, per incoming connection */
+} rc_net;
+
+/* Move one step's messages: ops are its SEND and RECV operations (consecutive ones to or
+ * from one peer form one message), step its number. RC_OK or a failure (*peer: a slot). */
+int rc_net_xfer(rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs,
+                uint32_t step, rc_call *call, int *peer);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,213 @@
+"""A schedule's steps over the group's direct connections, run natively: one call of the
+compiled core for a whole collective (``raycoll/native/net.h`` has the protocol; the plan is
+:mod:`raycoll.algorithms.native_plans`), with the GIL released and no Python between two
+messages: vectored sends of header and data, receives straight into the destination, the
+reductions in place.
+
+Used by :class:`~raycoll.transport.tcp.TcpTransport` when every rank of the group has the
+native core (rendezvous tells). Its messages go over connections of their own (purpose
+``"ncoll"``, made on first use like the others), so that they never meet the Python rounds'
+frames. The counters (``ProcessGroup.counters()``) gain exactly what the Python rounds would
+count, computed once per plan.
+
+A message's header carries the call's sequence number, step and fingerprint hash, read
+before its bytes: a message of an earlier (failed) call is skipped; one of a later call is
+kept for it and fails this one (its sender left this call out, say rejected its arguments);
+one that does not match this rank's call fails the call, here, and, through the coordinator,
+on every rank (``CollectiveMismatchError``). Either way the streams stay whole and the group
+goes on. A connection that closes, a timeout or a dead rank breaks the group, as on the Python
+rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from raycoll import errors
+from raycoll.algorithms.native_plans import NativePlan, plan_schedule
+from raycoll.algorithms.schedule import Schedule
+from raycoll.native import core, dtype_code, op_code
+from raycoll.transport.base import may_spin
+from raycoll.transport.fingerprints import Fingerprints
+from raycoll.transport.frames import PeerClosed, PeerLeft
+from raycoll.transport.links import peer_failure
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.context import Call
+    from raycoll.reduce_op import ReduceOp
+
+__all__ = ["NativeSockets", "SPIN_S"]
+
+#: How long a wait on the sockets spins (non-blocking reads) before it polls, where the
+#: group's ranks on this machine fit its cores.
+SPIN_S = 50e-6
+TICK_NS = 10_000_000
+CHECK_FIRST_NS = 100_000_000
+CHECK_MAX_NS = 1_000_000_000
+#: The most plans a rank keeps.
+_CACHE = 64
+
+
+class NativeSockets:
+    """One group's native runs over its direct connections, on this rank."""
+
+    def __init__(self, tcp: Any, crowded: bool) -> None:
+        """``tcp``: the group's :class:`~raycoll.transport.tcp.TcpTransport` (its links, its
+        checks with the coordinator, its counters)."""
+        self.tcp = tcp
+        size = tcp.ctx.size
+        #: each peer's sockets (-1 until connected), and what each incoming connection kept
+        #: between calls (a header read ahead)
+        self.out_fd = np.full(size, -1, dtype=np.int64)
+        self.in_fd = np.full(size, -1, dtype=np.int64)
+        self.conns = np.zeros(size * core.CONN_BYTES, dtype=np.uint8)
+        self._plans: Dict[Any, NativePlan] = {}
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._fps = Fingerprints()
+        spin = 0 if crowded else int(SPIN_S * 1e9)
+        self._spinning = (spin, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
+        self._no_spin = (0, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
+        self._call: Optional["Call"] = None
+        self._began = 0.0
+
+    def plan(self, key: Any, schedule: Schedule, itemsize: int, reducing: bool) -> NativePlan:
+        """This rank's native plan of ``schedule`` (cached by ``key``)."""
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) >= _CACHE:
+                self._plans.pop(next(iter(self._plans)))
+            got = self._plans[key] = plan_schedule(schedule, self.tcp.ctx.rank, itemsize,
+                                                   reducing, self.tcp.ctx.node_ids)
+        return got
+
+    def codes(self, flat: np.ndarray, op: Optional["ReduceOp"]) -> Optional[Tuple[int, int]]:
+        """(dtype code, op code) when the core can run ``flat``'s collective with ``op``
+        (copies: any dtype), else ``None``."""
+        if op is None:
+            return 0, 0
+        code = dtype_code(flat.dtype)
+        if code is None or (flat.dtype.kind == "c" and op.name != "SUM"):
+            return None
+        opc = op_code(op.name)
+        return (code, opc) if core.supported(code, opc) else None
+
+    # ------------------------------------------------------------------ connections
+    def _connect(self, call: "Call", plan: NativePlan) -> None:
+        """Make the connections ``plan`` uses (the first time only): this rank's outgoing
+        ones first, then it waits for its peers' (they connect as this rank does, so none
+        waits on another in a cycle)."""
+        links = self.tcp.links
+        for dst in plan.sends_to:
+            if self.out_fd[dst] < 0:
+                self.out_fd[dst] = links.outgoing(dst, "ncoll", call.timeout_s).sock.fileno()
+        missing = [s for s in plan.recvs_from if self.in_fd[s] < 0]
+        next_check = time.monotonic() + 0.1
+        while missing:
+            for s in list(missing):
+                sock = links.incoming(s, "ncoll")
+                if sock is not None:
+                    self.in_fd[s] = sock.fileno()
+                    missing.remove(s)
+            if not missing:
+                return
+            now = time.monotonic()
+            if now - self._began > call.timeout_s:
+                raise self.tcp.time_out(call, missing)
+            if now >= next_check:
+                self.tcp.check(call, missing, now - self._began)
+                next_check = now + 0.5
+            links.wait([], [], 0.01)
+
+    # ------------------------------------------------------------------ running
+    def run(self, call: "Call", plan: NativePlan, flat: np.ndarray,
+            codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
+        """Run ``plan`` for ``call`` on ``flat`` (in place); raise the call's error."""
+        self._began = time.monotonic()
+        self._call = call
+        self._connect(call, plan)
+        if self._scratch.nbytes < plan.scratch:
+            self._scratch = np.empty(plan.scratch, dtype=np.uint8)
+        size = self.tcp.ctx.size
+        factor = float(op.factor or 1.0) if op is not None else 1.0
+        divisor = size if op is not None and op.name == "AVG" else 0
+        fp = self._fps.hash(call.fp)
+        wait = self._spinning if may_spin() else self._no_spin
+        try:
+            status, peer, err = core.execute(
+                None, plan.ops, (_bytes(flat), self._scratch), codes[0], codes[1], factor,
+                divisor, call.seq, b"", wait, self._check,
+                (self.out_fd, self.in_fd, self.conns, fp))
+        except errors.RaycollError:
+            self.tcp.fail_broken()
+            raise
+        finally:
+            self.tcp._waiting = None
+        if status:
+            raise self._failed(call, status, peer, err)
+        self.tcp.tally(call.op).add(plan.counts)
+
+    def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
+        """While a run waits: the call's deadline, then the coordinator's check."""
+        call = self._call
+        if call is None:  # pragma: no cover - run() sets it first
+            return
+        self.tcp._waiting = (call.seq, list(pending))
+        elapsed = time.monotonic() - self._began
+        if elapsed > call.timeout_s:
+            raise self.tcp.time_out(call, list(pending))
+        self.tcp.check(call, list(pending), elapsed)
+
+    def _failed(self, call: "Call", status: int, peer: int, err: int) -> BaseException:
+        ctx = self.tcp.ctx
+        where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
+        ranks = ctx.global_ranks
+        if status == core.MISMATCH:
+            message = (f"{where}: rank {ranks[peer]} sent rank {ranks[ctx.rank]} a message of "
+                       "another call (a different collective, or different shapes, dtype, op "
+                       "or root)")
+            try:  # the ranks that do not hear from this one learn it from the coordinator
+                ctx.client.submit_reject(ctx.group_name, ranks, call.seq, ctx.rank, call.op,
+                                         message, kind="mismatch")
+            except Exception:  # noqa: BLE001 - the coordinator's check ends their wait anyway
+                pass
+            return errors.CollectiveMismatchError(message, **ctx.ctx(call))
+        if status == core.SEQ:
+            explained = self.tcp._explained(call)
+            return explained if explained is not None else errors.CollectiveMismatchError(
+                f"{where}: rank {ranks[peer]} left it out (it is at a later collective): the "
+                "ranks are out of step", **ctx.ctx(call))
+        if status in (core.PEER_CLOSED, core.FOREIGN):
+            exc: BaseException = (PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
+                                  if status == core.FOREIGN
+                                  else PeerClosed(f"rank {ranks[peer]} closed the connection"))
+            suspects = self.tcp.links.suspects(peer, exc)
+            self.tcp.fail_broken()
+            explained = self.tcp._explained(call, suspects)
+            if explained is not None:
+                return explained
+            failure = peer_failure(self.tcp.links, ranks, where, peer, exc, **ctx.ctx(call))
+            ctx.fail(failure)
+            return failure
+        self.tcp.fail_broken()
+        detail = {core.GARBLED: f"a garbled frame from rank {ranks[peer]} (its stream does "
+                                "not parse)",
+                  core.IOERR: f"a socket call failed (errno {err})",
+                  core.BADPLAN: f"the core refused the plan (operation {peer}): a bug"}
+        failure = errors.GroupBrokenError(
+            f"{where}: {detail.get(status, f'status {status}')}; the group is broken",
+            **ctx.ctx(call))
+        ctx.fail(failure)
+        return failure
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    return arr.reshape(-1).view(np.uint8)
+
+
+def native_sockets_possible(ctx: Any, peers: Sequence[int]) -> bool:
+    """Whether a group on direct connections runs its schedules natively: every rank has
+    the native core."""
+    return core is not None and bool(ctx.native) and len(peers) > 0
