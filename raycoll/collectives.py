@@ -174,7 +174,8 @@ def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across all ranks, in place; every rank gets the result."""
     if not async_op and type(tensor) is np.ndarray and type(op) is ReduceOp:  # short path
-        pg = world().default if group is None else group
+        pg = world().default if group is None else (
+            world().groups.get(group) if type(group) is str else group)
         if type(pg) is ProcessGroup and pg.fast_all_reduce(tensor, op):
             return None
 

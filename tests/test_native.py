@@ -221,20 +221,23 @@ def test_all_to_all_plans_with_uneven_pieces():
     def body(r: int, seg: Any) -> Any:
         sizes = [(r + j + 1) * 1500 for j in range(n)]  # more than a region: several steps
         src = np.concatenate([np.full(k, 10 * r + j, np.uint8) for j, k in enumerate(sizes)])
-        sends = plans_layout(sizes)
-        recvs = plans_layout([(s + r + 1) * 1500 for s in range(n)])
-        meta = np.array([k for _, k in sends] + [k for _, k in recvs], dtype=np.int64)
+        sends = tuple((1, off, k) for off, k in plans_layout(sizes))
+        recvs = tuple((2, off, k) for off, k in plans_layout([(s + r + 1) * 1500
+                                                              for s in range(n)]))
+        meta = np.array([k for *_, k in sends] + [k for *_, k in recvs], dtype=np.int64)
         assert _run(seg, plans.all_to_all_first(sends, n, r, half), [meta, src]) == (0, -1)
         parity = seg.step & 1
         table = np.stack([np.frombuffer(memoryview(seg)[seg.half_offset(s, parity):][:16 * n],
                                         dtype=np.int64) for s in range(n)])
-        dst = np.zeros(sum(k for _, k in recvs), np.uint8)
-        rest = plans.all_to_all_rest(table[:, :n], sends, recvs, n, r, half)
-        assert _run(seg, rest, [np.empty(0, np.uint8), src, dst]) == (0, -1)
+        assert np.array_equal(table[:, :n], table[:, n:].T)  # every pair agrees
+        dst = np.zeros(sum(k for *_, k in recvs), np.uint8)
+        longest = int(table[:, :n][~np.eye(n, dtype=bool)].max())
+        rest = plans.all_to_all_rest(longest, sends, recvs, n, r, half)
+        assert _run(seg, rest, [meta, src, dst]) == (0, -1)
         return dst, recvs
 
     for r, (dst, recvs) in enumerate(_in_threads(n, body, half)):
-        for s, (off, k) in enumerate(recvs):
+        for s, (_, off, k) in enumerate(recvs):
             assert (dst[off:off + k] == 10 * s + r).all(), (r, s)
 
 

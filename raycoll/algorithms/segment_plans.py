@@ -31,10 +31,10 @@ import numpy as np
 
 from raycoll.algorithms.schedule import blocks
 
-__all__ = ["Plan", "WRITE", "SYNC", "COPY", "REDUCE", "LOCAL", "FINAL", "NEXT", "FIRST", "FINISH",
-           "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "scatter",
-           "barrier", "exchange", "A2A_META_ALIGN", "all_to_all_first", "all_to_all_rest",
-           "describe"]
+__all__ = ["Plan", "Piece", "WRITE", "SYNC", "COPY", "REDUCE", "LOCAL", "FINAL", "NEXT",
+           "FIRST", "FINISH", "all_reduce", "reduce", "broadcast", "all_gather",
+           "reduce_scatter", "scatter", "barrier", "exchange", "A2A_META_ALIGN", "a2a_layout",
+           "all_to_all_first", "all_to_all_rest", "describe"]
 
 WRITE, SYNC, COPY, REDUCE, LOCAL, FINAL = 1, 2, 3, 4, 5, 6
 #: the buffer id of this rank's own half of the next step
@@ -234,49 +234,48 @@ def exchange(nbytes: int) -> Plan:
 #: expects from each) before the data: ``2 * nranks`` int64, this many bytes rounded up.
 A2A_META_ALIGN = ALIGN
 
+#: A piece of an all_to_all: (buffer id, offset, bytes).
+Piece = Tuple[int, int, int]
 
-def _a2a_layout(nranks: int, half: int) -> Tuple[int, int]:
+
+def a2a_layout(nranks: int, half: int) -> Tuple[int, int]:
     """(where the data starts in a half, bytes a destination gets a step)."""
     meta = -(-2 * nranks * 8 // A2A_META_ALIGN) * A2A_META_ALIGN
     return meta, max(0, _down((half - meta) // nranks, ALIGN))
 
 
-def all_to_all_first(sends: Tuple[Tuple[int, int], ...], nranks: int, me: int,
-                     half: int) -> Plan:
-    """all_to_all's first step: buffer 0 the sizes (``2 * nranks`` int64), buffer 1 the
-    input; ``sends[j]`` is (offset, bytes) of the piece for rank j in buffer 1. Writes the
-    sizes and the first part of every piece for another rank, then syncs."""
-    meta, region = _a2a_layout(nranks, half)
+def all_to_all_first(sends: Tuple[Piece, ...], nranks: int, me: int, half: int) -> Plan:
+    """all_to_all's first step: buffer 0 the sizes (``2 * nranks`` int64); ``sends[j]`` the
+    piece for rank j. Writes the sizes and the first part of every piece for another rank,
+    then syncs."""
+    meta, region = a2a_layout(nranks, half)
     ops: List[Op] = [write(0, 0, 2 * nranks * 8, 0)]
-    for j, (off, n) in enumerate(sends):
+    for j, (buf, off, n) in enumerate(sends):
         if j != me and n and region:
-            ops.append(write(1, off, min(n, region), meta + j * region))
+            ops.append(write(buf, off, min(n, region), meta + j * region))
     ops.append(sync(first=True))
     return _plan(ops)
 
 
-def all_to_all_rest(sizes: np.ndarray, sends: Tuple[Tuple[int, int], ...],
-                    recvs: Tuple[Tuple[int, int], ...], nranks: int, me: int,
-                    half: int) -> Plan:
-    """The rest of an all_to_all once every rank's sizes are known (``sizes[s, j]``: bytes
-    rank s sends rank j): copy what came in the first step, then stream the rest, a region a
-    destination a step. Buffer 1 the input, buffer 2 the output (``recvs[s]``: offset and
-    bytes of the piece from rank s); this rank's own piece is copied locally."""
-    meta, region = _a2a_layout(nranks, half)
-    longest = int(max((sizes[s, j] for s in range(nranks) for j in range(nranks) if s != j),
-                      default=0))
+def all_to_all_rest(longest: int, sends: Tuple[Piece, ...], recvs: Tuple[Piece, ...],
+                    nranks: int, me: int, half: int) -> Plan:
+    """The rest of an all_to_all once every rank's sizes are known (``longest``: the most
+    bytes any rank sends another): copy what came in the first step, then stream the rest,
+    a region a destination a step; ``recvs[s]`` is where the piece from rank s goes; this
+    rank's own piece is copied locally."""
+    meta, region = a2a_layout(nranks, half)
     ops: List[Op] = []
-    if recvs[me][1]:
-        ops.append(local(2, recvs[me][0], recvs[me][1], 1, sends[me][0]))
+    if recvs[me][2]:
+        ops.append(local(recvs[me][0], recvs[me][1], recvs[me][2], sends[me][0], sends[me][1]))
     steps = -(-longest // region) if region else 0
     for k in range(steps):
         lo = k * region
         if k:
-            for j, (off, n) in enumerate(sends):
+            for j, (buf, off, n) in enumerate(sends):
                 if j != me and n > lo:
-                    ops.append(write(1, off + lo, min(region, n - lo), meta + j * region))
+                    ops.append(write(buf, off + lo, min(region, n - lo), meta + j * region))
             ops.append(sync())
-        for s, (off, n) in enumerate(recvs):
+        for s, (buf, off, n) in enumerate(recvs):
             if s != me and n > lo:
-                ops.append(copy(2, off + lo, min(region, n - lo), s, meta + me * region))
+                ops.append(copy(buf, off + lo, min(region, n - lo), s, meta + me * region))
     return _plan(ops)

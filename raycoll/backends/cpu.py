@@ -369,6 +369,10 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
                           input_splits: List[int], call: Call) -> None:
         src = np.ascontiguousarray(host_view(tensor))
         trailing = tuple(src.shape[1:])
+        if self.ctx.size > 1 and self._seg_all_to_all_single(
+                host_view(output), src, int(np.prod(trailing, dtype=np.int64)) * src.itemsize,
+                output_splits, input_splits, call):
+            return
         in_off = np.concatenate([[0], np.cumsum(input_splits)]).astype(int)
         ins = [src[in_off[j]:in_off[j + 1]] for j in range(self.ctx.size)]
         out = host_view(output)

@@ -11,11 +11,11 @@ outputs through one contiguous buffer (then copied to each).
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll.algorithms.flat import array_meta, copy_into, flat_in, flat_out
+from raycoll.algorithms.flat import copy_into, flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.reduce_op import ReduceOp
 
@@ -104,13 +104,31 @@ class SegmentPaths:
         return True
 
     def _seg_all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], call: Call) -> bool:
+        """all_to_all of lists: each piece its own buffer (no copy but a non-contiguous
+        output's temporary)."""
         lane = self._segment(call)
         if lane is None:
             return False
+        size = self.ctx.size
         with ExitStack() as stack:
             flats = [stack.enter_context(flat_out(o)) for o in outs]
-            lane.run_all_to_all(call, [flat_in(a) for a in ins], flats,
-                            [array_meta(a) for a in ins], [array_meta(o) for o in outs])
+            bufs = [_bytes(flat_in(a)) for a in ins] + [_bytes(f) for f in flats]
+            sends = [(1 + j, 0, bufs[j].nbytes) for j in range(size)]
+            recvs = [(1 + size + s, 0, bufs[size + s].nbytes) for s in range(size)]
+            lane.run_all_to_all(call, bufs, sends, recvs)
+        return True
+
+    def _seg_all_to_all_single(self, out: np.ndarray, src: np.ndarray, row_bytes: int,
+                               output_splits: Sequence[int], input_splits: Sequence[int],
+                               call: Call) -> bool:
+        """all_to_all_single: the pieces are rows of the one input and output (no copy)."""
+        lane = self._segment(call)
+        if lane is None:
+            return False
+        with flat_out(out) as flat:
+            sends = _pieces(1, input_splits, row_bytes)
+            recvs = _pieces(2, output_splits, row_bytes)
+            lane.run_all_to_all(call, [_bytes(flat_in(src)), _bytes(flat)], sends, recvs)
         return True
 
     def _seg_barrier(self, call: Call) -> bool:
@@ -119,3 +137,17 @@ class SegmentPaths:
             return False
         lane.run_barrier(call)
         return True
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a contiguous array."""
+    return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+
+
+def _pieces(buf: int, splits: Sequence[int], row_bytes: int) -> List[Tuple[int, int, int]]:
+    """(buffer, offset, bytes) of consecutive pieces of ``splits`` rows each."""
+    out, at = [], 0
+    for rows in splits:
+        out.append((buf, at, int(rows) * row_bytes))
+        at += int(rows) * row_bytes
+    return out

@@ -11,6 +11,9 @@
 #include "reduce.h"
 #include "segment.h"
 
+/* The most buffers one run takes (an all_to_all's pieces each). */
+#define MAX_BUFS 4096
+
 /* Reductions of at most this many bytes keep the GIL (releasing it costs more). */
 #define GIL_FREE_BYTES 65536
 
@@ -226,8 +229,8 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
     PyObject *seq = NULL;
     Py_buffer plan, out_fds, in_fds, conns;
     int have_plan = 0, have_net = 0;
-    Py_buffer views[16];
-    rc_buf bufs[16];
+    Py_buffer *views = NULL;
+    rc_buf *bufs = NULL;
     Py_ssize_t nbufs = 0, got = 0;
     rc_call call;
     rc_net net;
@@ -269,8 +272,14 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
     seq = PySequence_Fast(bufs_obj, "bufs must be a sequence of buffers");
     if (seq == NULL) goto done;
     nbufs = PySequence_Fast_GET_SIZE(seq);
-    if (nbufs > 16) {
-        PyErr_SetString(PyExc_ValueError, "at most 16 buffers a call");
+    if (nbufs > MAX_BUFS) {
+        PyErr_Format(PyExc_ValueError, "at most %d buffers a call", MAX_BUFS);
+        goto done;
+    }
+    views = (Py_buffer *)PyMem_Calloc((size_t)nbufs + 1, sizeof(Py_buffer));
+    bufs = (rc_buf *)PyMem_Calloc((size_t)nbufs + 1, sizeof(rc_buf));
+    if (views == NULL || bufs == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
     for (; got < nbufs; got++) {
@@ -305,6 +314,8 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
     result = Py_BuildValue("(iii)", rc, peer, call.io_errno);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(bufs);
     Py_XDECREF(seq);
     if (have_plan) PyBuffer_Release(&plan);
     if (have_net) {

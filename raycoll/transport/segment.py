@@ -191,6 +191,10 @@ class SegmentLane(RoundTransport):
         self._report_due = 0.0
         #: the all_reduce short path's plans and fingerprints, by (dtype, shape, op)
         self._fast: Dict[Any, Any] = {}
+        #: all_to_all's plans, by pieces (and longest piece)
+        self._a2a_first: Dict[Any, Tuple[plans.Plan, np.ndarray]] = {}
+        self._a2a_rest: Dict[Any, plans.Plan] = {}
+        self._off_diagonal = ~np.eye(ctx.size, dtype=bool)
 
     # ------------------------------------------------------------------ running a plan
     def _wait_policy(self) -> Tuple[int, int, int, int]:
@@ -442,47 +446,57 @@ class SegmentLane(RoundTransport):
     def run_barrier(self, call: "Call") -> None:
         self.run(call, plans.barrier(), ())
 
-    def run_all_to_all(self, call: "Call", ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
-                   send_meta: List[Any], recv_meta: List[Any]) -> None:
-        """Each rank's ``ins[j]`` into rank j's ``outs[me]`` (sizes may differ per pair: the
-        first step carries them, checked on every rank before any data is read)."""
-        from raycoll.coordinator.logic import meta_mismatch
-
+    def run_all_to_all(self, call: "Call", bufs: Sequence[np.ndarray],
+                       sends: Sequence[plans.Piece], recvs: Sequence[plans.Piece]) -> None:
+        """all_to_all: ``sends[j]`` (buffer id, offset, bytes; ids from 1, indexing
+        ``bufs``) goes to rank j, which puts it where its ``recvs[me]`` says. Sizes may
+        differ per pair: the first step carries every rank's, checked on every rank (all see
+        the same table) before any data is read."""
         size, me = self.ctx.size, self.ctx.rank
-        src, sends = _packed(ins)
-        dst = np.empty(sum(o.nbytes for o in outs), dtype=np.uint8)
-        recvs = _layout([o.nbytes for o in outs])
-        sizes = np.array([n for _, n in sends] + [n for _, n in recvs], dtype=np.int64)
-        self.run(call, plans.all_to_all_first(sends, size, me, self.half), (sizes, src))
-        parity = self.seg.step & 1
-        table = np.empty((size, 2 * size), dtype=np.int64)
-        for r in range(size):
-            at = self.seg.half_offset(r, parity)
-            table[r] = np.frombuffer(self._mem[at:at + 16 * size], dtype=np.int64)
-        metas = self._a2a_metas(call, send_meta, recv_meta, table)
-        problem = meta_mismatch(metas[0], metas[1], self.ctx.global_ranks)
-        if problem:
+        sends, recvs = tuple(sends), tuple(recvs)
+        first, sizes = self._a2a_first.get((sends, recvs)) or self._a2a_plan(sends, recvs)
+        allbufs = (sizes,) + tuple(bufs)
+        self.run(call, first, allbufs)
+        # every rank's sizes, a strided view of the halves of this step (no copy)
+        table = np.ndarray((size, 2 * size), dtype=np.int64, buffer=self._mem,
+                           offset=self.seg.half_offset(0, self.seg.step & 1),
+                           strides=(2 * self.half, 8))
+        sent, expected = table[:, :size], table[:, size:].T
+        if not np.array_equal(sent, expected):
+            ranks = self.ctx.global_ranks
+            bad = np.argwhere(sent != expected)
+            pairs = "; ".join(f"rank {ranks[s]} sends rank {ranks[r]} {int(sent[s, r])} bytes but "
+                              f"rank {ranks[r]} expects {int(expected[s, r])}" for s, r in bad[:4])
+            more = f"; ... and {len(bad) - 4} more" if len(bad) > 4 else ""
             raise errors.CollectiveMismatchError(
-                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {problem}",
+                f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: {pairs}{more}",
                 **self.ctx.ctx(call))
-        plan = plans.all_to_all_rest(table[:, :size], sends, recvs, size, me, self.half)
-        self.run(call, plan, (_EMPTY, src, dst), first=False)
-        for s, (off, n) in enumerate(recvs):
-            _unpack(dst[off:off + n], outs[s])
+        longest = int((sent * self._off_diagonal).max())
+        plan = self._a2a_rest.get((sends, recvs, longest))
+        if plan is None:
+            plan = plans.all_to_all_rest(longest, sends, recvs, size, me, self.half)
+            self._a2a_rest = _bounded(self._a2a_rest)
+            self._a2a_rest[(sends, recvs, longest)] = plan
+        self.run(call, plan, allbufs, first=False)
 
-    def _a2a_metas(self, call: "Call", send_meta: List[Any], recv_meta: List[Any],
-                   table: np.ndarray) -> Tuple[Dict[int, Any], Dict[int, Any]]:
-        """What each rank sends and expects, as meta_mismatch compares them: bytes (every
-        rank sees every rank's), and this rank's own dtypes and shapes."""
-        size, me = self.ctx.size, self.ctx.rank
-        send = {s: [("bytes", (int(table[s, j]),)) for j in range(size)] for s in range(size)}
-        recv = {r: [("bytes", (int(table[r, size + s]),)) for s in range(size)]
-                for r in range(size)}
-        del call, send_meta, recv_meta, me
-        return send, recv
+    def _a2a_plan(self, sends: Tuple[plans.Piece, ...],
+                  recvs: Tuple[plans.Piece, ...]) -> Tuple[plans.Plan, np.ndarray]:
+        """An all_to_all's first step and this rank's sizes (cached by its pieces)."""
+        sizes = np.array([n for _, _, n in sends] + [n for _, _, n in recvs], dtype=np.int64)
+        got = (plans.all_to_all_first(sends, self.ctx.size, self.ctx.rank, self.half), sizes)
+        self._a2a_first = _bounded(self._a2a_first)
+        self._a2a_first[(sends, recvs)] = got
+        return got
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def _bounded(cache: Dict[Any, Any], most: int = 256) -> Dict[Any, Any]:
+    """``cache``, emptied once it holds ``most`` entries."""
+    if len(cache) >= most:
+        cache.clear()
+    return cache
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
@@ -490,30 +504,10 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8) if arr.size else _EMPTY
 
 
-def _layout(sizes: Sequence[int]) -> Tuple[Tuple[int, int], ...]:
-    out, at = [], 0
-    for n in sizes:
-        out.append((at, n))
-        at += n
-    return tuple(out)
 
 
-def _packed(arrays: Sequence[np.ndarray]) -> Tuple[np.ndarray, Tuple[Tuple[int, int], ...]]:
-    """The arrays' bytes one after another (one copy), and each one's (offset, bytes)."""
-    sizes = [a.nbytes for a in arrays]
-    whole = np.empty(sum(sizes), dtype=np.uint8)
-    for (off, n), a in zip(_layout(sizes), arrays):
-        if n:
-            whole[off:off + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return whole, _layout(sizes)
 
 
-def _unpack(raw: np.ndarray, out: np.ndarray) -> None:
-    if raw.size:
-        if out.flags.c_contiguous:
-            out.reshape(-1).view(np.uint8)[:] = raw
-        else:
-            out[...] = raw.view(out.dtype).reshape(out.shape)
 
 
 def _exchange_plan(nbytes: int) -> plans.Plan:
