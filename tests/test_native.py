@@ -625,3 +625,52 @@ def test_socket_operations_are_bounds_checked():
             assert got[0] == core.BADPLAN, ops
     finally:
         mesh.close()
+
+
+# ---------------------------------------------------------------------- across processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_cross_memory_plans_read_the_peers_buffers(n):
+    count = 10_007  # parts of different sizes, more than a reduction block of some
+
+    def body(r: int, seg: Any) -> Any:
+        deadline = time.monotonic() + 10
+        while seg.attached < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert seg.probe_cma()  # threads of one process may read its memory
+        f64, fsum = DTYPE_CODES["float64"], OP_CODES["SUM"]
+        x = np.arange(count, dtype=np.float64) * (r + 1)
+        assert _run(seg, plans.cma_all_reduce(count, 8, n, r), [x], f64, fsum) == (0, -1)
+        red = np.full(count, r + 1.0)
+        assert _run(seg, plans.cma_all_reduce(count, 8, n, r, root=1), [red], f64,
+                    OP_CODES["MAX"], seq=2) == (0, -1)
+        whole = np.concatenate([np.full(count, 10.0 * j + r) for j in range(n)])
+        rs = np.zeros(count)
+        assert _run(seg, plans.cma_reduce_scatter(count, 8, n, r), [whole, rs], f64, fsum,
+                    seq=3) == (0, -1)
+        b = np.arange(count, dtype=np.float64) if r == 1 else np.zeros(count)
+        assert _run(seg, plans.cma_broadcast(count * 8, n, r, 1), [b], seq=4) == (0, -1)
+        g = np.zeros(n * count)
+        assert _run(seg, plans.cma_all_gather(count * 8, n, r), [np.full(count, r + 0.5), g],
+                    seq=5) == (0, -1)
+        sc = np.zeros(count)
+        assert _run(seg, plans.cma_scatter(count * 8, n, r, 0), [whole, sc], seq=6) == (0, -1)
+        return x, red, rs, b, g, sc
+
+    for r, (x, red, rs, b, g, sc) in enumerate(_in_threads(n, body, PAGE)):
+        assert np.array_equal(x, np.arange(count, dtype=np.float64) * sum(range(1, n + 1)))
+        assert np.array_equal(red, np.full(count, float(n) if r == 1 else r + 1.0))
+        assert np.array_equal(rs, np.full(count, 10.0 * r * n + sum(range(n))))
+        assert np.array_equal(b, np.arange(count, dtype=np.float64))
+        assert np.array_equal(g, np.repeat(np.arange(n) + 0.5, count))
+        assert np.array_equal(sc, np.full(count, 10.0 * r))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
+def test_a_cross_memory_read_past_a_peers_buffer_is_refused():
+    def body(r: int, seg: Any) -> Any:
+        mine = np.zeros(16, np.uint8)
+        plan = plans._plan([plans.sync(first=True), plans.cread(0, 0, 16, 1 - r, 8)])
+        return _run(seg, plan, [mine])  # the peer published 16 bytes: [8, 24) is past them
+
+    assert [status for status, _ in _in_threads(2, body)] == [core.BADPLAN] * 2

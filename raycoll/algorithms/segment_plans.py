@@ -37,6 +37,9 @@ __all__ = ["Plan", "Piece", "WRITE", "SYNC", "COPY", "REDUCE", "LOCAL", "FINAL",
            "all_to_all_first", "all_to_all_rest", "describe"]
 
 WRITE, SYNC, COPY, REDUCE, LOCAL, FINAL = 1, 2, 3, 4, 5, 6
+CREAD, CREDUCE = 12, 13
+#: CREDUCE's flag: apply the op's final step
+CFINAL = 0x100
 #: the buffer id of this rank's own half of the next step
 NEXT = -2
 #: SYNC's flag: a call's first step (fingerprints compared)
@@ -279,3 +282,82 @@ def all_to_all_rest(longest: int, sends: Tuple[Piece, ...], recvs: Tuple[Piece, 
             if s != me and n > lo:
                 ops.append(copy(buf, off + lo, min(region, n - lo), s, meta + me * region))
     return _plan(ops)
+
+
+# ---------------------------------------------------------------------- across processes
+# Where every rank may read the others' memory (process_vm_readv: the segment's probe), large
+# collectives read the peers' own buffers, published by the call's first step, instead of
+# going through the halves: the data is copied once (a reduction reads each byte once and
+# writes its part once). The last step makes sure no rank still reads a buffer its owner
+# has got back.
+
+
+def cread(dst: int, off: int, n: int, rank: int, peer_off: int, buf: int = 0) -> Op:
+    return (CREAD, dst, off, n, rank, peer_off, buf, 0)
+
+
+def creduce(dst: int, off: int, n: int, peer_off: int, buf: int, finish: bool) -> Op:
+    return (CREDUCE, dst, off, n, 0, peer_off, buf | (CFINAL if finish else 0), 0)
+
+
+@lru_cache(maxsize=256)
+def cma_all_reduce(count: int, itemsize: int, nranks: int, me: int, root: int = -1) -> Plan:
+    """all_reduce (buffer 0, in place): rank r reduces part r out of every rank's buffer into
+    its own, then each reads the others' reduced parts. With ``root >= 0``, reduce: the root
+    reduces the whole buffer out of the others' (theirs stay as they were)."""
+    if root >= 0:
+        ops: List[Op] = [sync(first=True)]
+        if me == root and count:
+            ops.append(creduce(0, 0, count * itemsize, 0, 0, finish=True))
+        return _plan(ops + [sync()])
+    parts = blocks(0, count, nranks)
+    a, b = parts[me]
+    ops = [sync(first=True)]
+    if b > a:
+        ops.append(creduce(0, a * itemsize, (b - a) * itemsize, a * itemsize, 0, finish=True))
+    ops.append(sync())
+    ops += [cread(0, lo * itemsize, (hi - lo) * itemsize, r, lo * itemsize)
+            for r, (lo, hi) in enumerate(parts) if r != me and hi > lo]
+    return _plan(ops + [sync()])
+
+
+@lru_cache(maxsize=256)
+def cma_reduce_scatter(count: int, itemsize: int, nranks: int, me: int) -> Plan:
+    """reduce_scatter: buffer 0 every rank's ``nranks`` pieces, buffer 1 this rank's result:
+    piece ``me`` reduced out of every rank's buffer 0."""
+    n = count * itemsize
+    ops: List[Op] = [sync(first=True)]
+    if n:
+        ops.append((CREDUCE, 1, 0, n, 0, me * n, 0 | CFINAL, 0))
+    return _plan(ops + [sync()])
+
+
+@lru_cache(maxsize=256)
+def cma_broadcast(nbytes: int, nranks: int, me: int, root: int) -> Plan:
+    """broadcast of buffer 0: every rank reads the root's."""
+    ops: List[Op] = [sync(first=True)]
+    if me != root and nbytes:
+        ops.append(cread(0, 0, nbytes, root, 0))
+    return _plan(ops + [sync()])
+
+
+@lru_cache(maxsize=256)
+def cma_all_gather(nbytes: int, nranks: int, me: int, root: int = -1) -> Plan:
+    """all_gather (buffer 0 the input, 1 the output; gather with ``root >= 0``): every rank
+    (or the root) reads every peer's input."""
+    mine = root < 0 or root == me
+    ops: List[Op] = [local(1, me * nbytes, nbytes, 0, 0)] if mine and nbytes else []
+    ops.append(sync(first=True))
+    if mine and nbytes:
+        ops += [cread(1, r * nbytes, nbytes, r, 0) for r in range(nranks) if r != me]
+    return _plan(ops + [sync()])
+
+
+@lru_cache(maxsize=256)
+def cma_scatter(nbytes: int, nranks: int, me: int, root: int) -> Plan:
+    """scatter: buffer 0 the root's pieces, 1 this rank's output: read from the root's."""
+    ops: List[Op] = [local(1, 0, nbytes, 0, root * nbytes)] if me == root and nbytes else []
+    ops.append(sync(first=True))
+    if me != root and nbytes:
+        ops.append(cread(1, 0, nbytes, root, me * nbytes))
+    return _plan(ops + [sync()])

@@ -24,6 +24,20 @@ FP_BYTES: int
 PAGE: int
 MAX_RANKS: int
 OP_WORDS: int
+OP_SEND: int
+OP_RECV: int
+OP_XFER: int
+OP_RED2: int
+OP_MREDUCE: int
+OP_CREAD: int
+OP_CREDUCE: int
+CFLAG_FINAL: int
+PEER_CLOSED: int
+FOREIGN: int
+GARBLED: int
+IOERR: int
+CONN_BYTES: int
+MSG_MAGIC: int
 
 Wait = Tuple[int, int, int, int]
 Check = Optional[Callable[[float, Tuple[int, ...]], None]]
@@ -45,8 +59,12 @@ class Segment:
     def close(self) -> None: ...
     def info(self, rank: int, parity: int) -> Dict[str, Any]: ...
     def half_offset(self, rank: int, parity: int) -> int: ...
+    def probe_cma(self) -> bool: ...
     def __buffer__(self, flags: int) -> memoryview: ...
 
+def execute(seg: Optional[Segment], plan: Any, bufs: Sequence[Any], dtype: int, op: int,
+            factor: float, divisor: int, call_seq: int, fp: bytes, wait: Wait, check: Check,
+            net: Optional[Tuple[Any, Any, Any, int]]) -> Tuple[int, int, int]: ...
 def reduce(dtype: int, op: int, dst: Any, srcs: Sequence[Any]) -> None: ...
 def finalize(dtype: int, op: int, buf: Any, divisor: int, factor: float) -> None: ...
 def supported(dtype: int, op: int) -> bool: ...

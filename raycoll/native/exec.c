@@ -8,6 +8,7 @@
 #include "reduce.h"
 #include "segment.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static int in_range(uint64_t off, uint64_t n, uint64_t len) { return n <= len && off <= len - n; }
@@ -56,6 +57,18 @@ static int op_ok(const rc_seg *seg, const rc_net *net, const int64_t *o, const r
         return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len) && whole &&
                rc_reduce_supported(call->dtype, call->op) &&
                !(a == b && overlap(a_off, n, b_off, n) && a_off != b_off);
+    case RC_OP_CREAD:
+        return seg != NULL && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < seg->nranks &&
+               (o[6] & 0xff) < RC_PUBLISHED;
+    case RC_OP_CREDUCE: {
+        int64_t idx = o[6] & 0xff;
+        if (!(seg != NULL && dst_ok && a != RC_BUF_NEXT && whole && idx < nbufs &&
+              idx < RC_PUBLISHED && (o[6] & ~(int64_t)0x1ff) == 0 &&
+              in_range(b_off, n, bufs[idx].len) && rc_reduce_supported(call->dtype, call->op)))
+            return 0;
+        /* this rank's own source is dst itself, or apart from it */
+        return idx != a || b_off == a_off || !overlap(a_off, n, b_off, n);
+    }
     case RC_OP_MREDUCE: {
         int64_t k = o[6], stride = o[7];
         if (!(dst_ok && a != RC_BUF_NEXT && b_buf && whole && k >= 1 && k <= RC_MAX_RANKS &&
@@ -94,6 +107,50 @@ static int check_plan(const rc_seg *seg, const rc_net *net, const int64_t *ops, 
     return RC_OK;
 }
 
+/* The reduction in rank order of every local rank's [off, +n) of its published buffer idx,
+ * this rank's being dst itself, into dst: a block at a time, the peers' blocks read across
+ * processes into a scratch, where it stays in the caches for the reduction. */
+#define CMA_BLOCK (256u << 10)
+
+static int cma_reduce(rc_seg *seg, uint8_t *dst, uint64_t n, uint64_t off, int idx, int final,
+                      const rc_buf *own, const rc_call *call, size_t esize, int *peer) {
+    int w = seg->nranks;
+    uint64_t block = CMA_BLOCK / esize * esize;
+    uint8_t *tmp = (uint8_t *)malloc((size_t)w * block);
+    if (tmp == NULL) {
+        *peer = -1;
+        return RC_IOERR;
+    }
+    const void *srcs[RC_MAX_RANKS];
+    int rc = RC_OK;
+    for (uint64_t at = 0; at < n && rc == RC_OK; at += block) {
+        uint64_t len = n - at < block ? n - at : block;
+        for (int r = 0; r < w; r++) {
+            uint8_t *slot = tmp + (size_t)r * block;
+            if (r == seg->me) {
+                const uint8_t *mine = own->ptr + off + at;
+                if (mine != dst + at || r < 2) { /* dst may be the first or second source */
+                    srcs[r] = mine;
+                    continue;
+                }
+                memcpy(slot, mine, len);
+            } else {
+                rc = rc_seg_cma_read(seg, r, idx, off + at, len, slot);
+                if (rc) {
+                    *peer = r;
+                    break;
+                }
+            }
+            srcs[r] = slot;
+        }
+        if (rc) break;
+        rc_reduce(call->dtype, call->op, dst + at, srcs, w, len / esize);
+        if (final) rc_finalize(call->dtype, call->op, dst + at, len / esize, call->divisor, call->factor);
+    }
+    free(tmp);
+    return rc;
+}
+
 int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs,
             int nbufs, rc_call *call, int *peer) {
     int rc = check_plan(seg, net, ops, nops, bufs, nbufs, call, peer);
@@ -118,7 +175,7 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
             memcpy(rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
             break;
         case RC_OP_SYNC:
-            rc = rc_seg_sync(seg, (o[6] & RC_STEP_FIRST) != 0, call, peer);
+            rc = rc_seg_sync(seg, (o[6] & RC_STEP_FIRST) != 0, call, bufs, nbufs, peer);
             if (rc == RC_RETRY) {
                 if (moved) {  /* its messages are gone: the call fails, its step taken */
                     *peer = -1;
@@ -165,6 +222,18 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
         case RC_OP_MREDUCE:
             for (int64_t j = 0; j < o[6]; j++) srcs[j] = bufs[o[4]].ptr + b_off + (uint64_t)(j * o[7]);
             rc_reduce(call->dtype, call->op, dst, srcs, (int)o[6], n / esize);
+            break;
+        case RC_OP_CREAD:
+            rc = rc_seg_cma_read(seg, (int)o[4], (int)(o[6] & 0xff), b_off, n, dst);
+            if (rc) {
+                *peer = (int)o[4];
+                return rc;
+            }
+            break;
+        case RC_OP_CREDUCE:
+            rc = cma_reduce(seg, dst, n, b_off, (int)(o[6] & 0xff), (o[6] & RC_CFLAG_FINAL) != 0,
+                            &bufs[o[6] & 0xff], call, esize, peer);
+            if (rc) return rc;
             break;
         }
     }

@@ -406,6 +406,15 @@ static PyObject *seg_info(SegmentObject *self, PyObject *args) {
                          __atomic_load_n(&c->mapped, __ATOMIC_ACQUIRE));
 }
 
+static PyObject *seg_probe_cma(SegmentObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (!seg_open(self)) return NULL;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS ok = rc_seg_probe_cma(&self->seg);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *seg_half_offset(SegmentObject *self, PyObject *args) {
     int rank, parity;
     if (!PyArg_ParseTuple(args, "ii", &rank, &parity)) return NULL;
@@ -492,6 +501,9 @@ static PyMethodDef seg_methods[] = {
      "close(): unmap (or, while a call waits in another thread, end it)"},
     {"info", (PyCFunction)seg_info, METH_VARARGS,
      "info(rank, parity) -> dict: a rank's control block and step info"},
+    {"probe_cma", (PyCFunction)seg_probe_cma, METH_NOARGS,
+     "probe_cma() -> bool: whether this process can read every peer's memory "
+     "(process_vm_readv; call once every rank mapped the segment)"},
     {"half_offset", (PyCFunction)seg_half_offset, METH_VARARGS,
      "half_offset(rank, parity) -> int: where that half starts in the mapping"},
     {NULL, NULL, 0, NULL}};
@@ -562,6 +574,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         {"FP_BYTES", RC_FP_BYTES}, {"PAGE", RC_PAGE}, {"MAX_RANKS", RC_MAX_RANKS},
         {"OP_WORDS", RC_OP_WORDS}, {"OP_SEND", RC_OP_SEND}, {"OP_RECV", RC_OP_RECV},
         {"OP_XFER", RC_OP_XFER}, {"OP_RED2", RC_OP_RED2}, {"OP_MREDUCE", RC_OP_MREDUCE},
+        {"OP_CREAD", RC_OP_CREAD}, {"OP_CREDUCE", RC_OP_CREDUCE}, {"CFLAG_FINAL", RC_CFLAG_FINAL},
         {"PEER_CLOSED", RC_PEER_CLOSED}, {"FOREIGN", RC_FOREIGN}, {"GARBLED", RC_GARBLED},
         {"IOERR", RC_IOERR}, {"CONN_BYTES", RC_CONN_BYTES}, {"MSG_MAGIC", (long)RC_MSG_MAGIC},
     };

@@ -21,6 +21,7 @@
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #endif
 
 _Static_assert(sizeof(rc_seg_header) == RC_HEADER_BYTES, "rc_seg_header is one 128-byte block");
@@ -106,6 +107,9 @@ static int check_shape(int nranks, int me, uint64_t half_bytes, char *err, size_
 static void mark_mapped(rc_seg *s) {
     rc_ctl *mine = &s->ctl[s->me];
     mine->pid = (int32_t)getpid();
+    s->probe = rc_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s;
+    mine->probe_addr = (uint64_t)(uintptr_t)&s->probe;
+    mine->probe_value = s->probe;
     __atomic_store_n(&mine->mapped, 1u, __ATOMIC_RELEASE);
     __atomic_add_fetch(&s->hdr->attached, 1u, __ATOMIC_SEQ_CST);
 }
@@ -372,7 +376,8 @@ static int compare_info(const rc_seg *s, uint32_t step, int *peer) {
 }
 
 /* ---------------------------------------------------------------- steps */
-int rc_seg_sync(rc_seg *s, int first, const rc_call *call, int *peer) {
+int rc_seg_sync(rc_seg *s, int first, const rc_call *call, const rc_buf *bufs, int nbufs,
+                int *peer) {
     uint32_t step = s->step + 1u;
     if (first) {
         rc_step_info *info = &s->ctl[s->me].info[step & 1u];
@@ -381,9 +386,66 @@ int rc_seg_sync(rc_seg *s, int first, const rc_call *call, int *peer) {
         info->flags = RC_STEP_FIRST;
         info->fp_len = call->fp_len;
         memcpy(info->fp, call->fp, call->fp_len);
+        for (int i = 0; i < RC_PUBLISHED; i++) {
+            info->addr[i] = i < nbufs ? (uint64_t)(uintptr_t)bufs[i].ptr : 0;
+            info->len[i] = i < nbufs ? bufs[i].len : 0;
+        }
+        s->first_step = step;
     }
     publish(s, step);
     int rc = wait_all(s, step, call, peer);
     if (rc == RC_OK && first) rc = compare_info(s, step, peer);
     return rc;
 }
+
+/* ---------------------------------------------------------------- cross-memory reads */
+#ifdef __linux__
+/* Read n bytes at address at in process pid into dst: RC_OK, RC_DEAD, or RC_IOERR. */
+static int read_process(int32_t pid, uint64_t at, uint8_t *dst, uint64_t n) {
+    while (n) {
+        struct iovec local = {dst, (size_t)n};
+        struct iovec remote = {(void *)(uintptr_t)at, (size_t)n};
+        ssize_t k = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return errno == ESRCH ? RC_DEAD : RC_IOERR;
+        }
+        if (k == 0) return RC_IOERR;
+        dst += k;
+        at += (uint64_t)k;
+        n -= (uint64_t)k;
+    }
+    return RC_OK;
+}
+
+int rc_seg_probe_cma(rc_seg *s) {
+    for (int r = 0; r < s->nranks; r++) {
+        if (r == s->me) continue;
+        const rc_ctl *c = &s->ctl[r];
+        uint64_t got = 0;
+        if (!__atomic_load_n(&c->mapped, __ATOMIC_ACQUIRE) || c->probe_addr == 0) return 0;
+        if (read_process(c->pid, c->probe_addr, (uint8_t *)&got, sizeof got) != RC_OK ||
+            got != c->probe_value)
+            return 0;
+    }
+    return 1;
+}
+
+int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst) {
+    const rc_step_info *info = &s->ctl[r].info[s->first_step & 1u];
+    if (idx < 0 || idx >= RC_PUBLISHED || info->step != s->first_step || n > info->len[idx] ||
+        off > info->len[idx] - n)
+        return RC_BADPLAN;
+    return read_process(s->ctl[r].pid, info->addr[idx] + off, dst, n);
+}
+#else
+int rc_seg_probe_cma(rc_seg *s) {
+    (void)s;
+    return 0;
+}
+
+int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst) {
+    (void)s, (void)r, (void)idx, (void)off, (void)n, (void)dst;
+    return RC_BADPLAN;
+}
+#endif

@@ -26,6 +26,10 @@
  *   3. waits until every local rank has published s (acquire loads of their ctl.seq);
  *   4. reads the peers' halves s % 2: copies, or reduces them in rank order (every rank
  *      holds bitwise the same result), possibly into its own half (s + 1) % 2 for step s + 1.
+ * Large collectives may instead read the peers' own buffers (where process_vm_readv may:
+ * cross-memory attach), whose addresses the call's first step publishes: one copy a byte, or
+ * none, with a wait before the call ends so that no peer still reads a buffer its owner has
+ * given back.
  * Every step waits for every local rank, so when a rank writes half p in step s + 2 every
  * peer has published s + 1, and so has finished reading half p in step s: two halves are
  * enough, with one wait a step. Python may read the peers' halves of the last step between
@@ -47,13 +51,14 @@ extern "C" {
 #endif
 
 #define RC_SEG_MAGIC 0x31304c4c4f435952ULL /* "RAYCOLL01", little-endian */
-#define RC_SEG_VERSION 1u
+#define RC_SEG_VERSION 2u
 #define RC_HEADER_BYTES 128u
-#define RC_CTL_BYTES 640u
+#define RC_CTL_BYTES 768u
 #define RC_FP_BYTES 192u
 #define RC_PAGE 4096u
 #define RC_MAX_RANKS 1024
 #define RC_NAME_MAX 64
+#define RC_PUBLISHED 4 /* buffers a call publishes for cross-memory reads */
 
 /* rc_step_info.flags */
 #define RC_STEP_FIRST 1u  /* the first step of a call: fp and call_seq are compared */
@@ -84,6 +89,11 @@ typedef struct {
     uint32_t fp_len;          /* bytes of fp in use */
     uint32_t pad;
     uint8_t fp[RC_FP_BYTES];  /* the call's fingerprint (Python's encoding), compared whole */
+    /* where the call's first RC_PUBLISHED buffers are in the owner's process, and their
+     * lengths: the peers read them with process_vm_readv (RC_OP_CREAD, RC_OP_CREDUCE),
+     * checked against these lengths, while the call lasts */
+    uint64_t addr[RC_PUBLISHED];
+    uint64_t len[RC_PUBLISHED];
 } rc_step_info;
 
 /* One rank's control block: three lines written by different parties, then its step info. */
@@ -98,7 +108,10 @@ typedef struct {
     /* line 2, written by the owner when it maps the segment */
     int32_t pid;      /* the owner's process id: a peer whose pid is gone is named at once */
     uint32_t mapped;  /* 1 once the owner mapped the segment */
-    uint8_t pad2[56];
+    uint64_t probe_addr;  /* a word in the owner's process, for the peers to read with
+                             process_vm_readv (rc_seg_probe_cma) ... */
+    uint64_t probe_value; /* ... which holds this */
+    uint8_t pad2[40];
     /* lines 3.., by step parity */
     rc_step_info info[2];
     uint8_t pad3[RC_CTL_BYTES - 192 - 2 * sizeof(rc_step_info)];
@@ -117,6 +130,8 @@ typedef struct rc_seg {
     uint32_t step;       /* the last step this rank published */
     volatile int closing; /* set by the binding's close(): a running wait ends at once */
     uint64_t spin_fails;  /* waits whose spin ran its whole length (the peer was not there) */
+    uint32_t first_step;  /* the running call's first step (whose infos hold its buffers) */
+    uint64_t probe;       /* the word whose address the control line publishes */
     char name[RC_NAME_MAX];
 } rc_seg;
 
@@ -131,10 +146,18 @@ void rc_seg_unmap(rc_seg *s);
 /* Tell the peers this rank gave up (reason RC_ABORT_*), and wake every sleeper. */
 void rc_seg_abort(rc_seg *s, uint32_t reason);
 /* One step: fill in this rank's step info (when first: the call's first step), publish the
- * next step, wait for every rank, and (when first) compare the infos: RC_OK, RC_RETRY (this
+ * next step (when first, publishing the call's first buffers: RC_PUBLISHED), wait for
+ * every rank, and (when first) compare the infos: RC_OK, RC_RETRY (this
  * step stood in for a peer's earlier call: run the call again from the next step), or a
  * failure (*peer names a rank). */
-int rc_seg_sync(rc_seg *s, int first, const rc_call *call, int *peer);
+int rc_seg_sync(rc_seg *s, int first, const rc_call *call, const rc_buf *bufs, int nbufs,
+                int *peer);
+/* Whether this process can read every peer's memory (process_vm_readv of the word each
+ * published when it mapped the segment; Linux, with the peers' ptrace permission): 1 or 0.
+ * Call once every rank has mapped the segment. */
+int rc_seg_probe_cma(rc_seg *s);
+/* Cross-memory reads, during a call, of local rank r's published buffer idx, [off, +n) */
+int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst);
 /* The bytes of rank r's half p. */
 uint8_t *rc_seg_half(const rc_seg *s, int r, int p);
 

@@ -70,6 +70,12 @@ TICK_S = 0.01
 #: When a wait first returns to Python (coordinator check, deadline), then up to this apart.
 CHECK_FIRST_S = 0.1
 CHECK_MAX_S = 1.0
+#: How long a rank waits for every rank to map the segment before it probes whether it may
+#: read their memory (else it says it may not: the group goes without cross-memory reads).
+MAPPED_WAIT_S = 10.0
+#: Collectives of at least this many bytes a rank read the peers' buffers across processes
+#: (where every rank may: the segment's probe), not through the halves.
+CMA_BYTES = 1 << 20
 #: all_reduce and reduce up to this many bytes take one step (every rank reduces every
 #: rank's buffer); larger ones reduce-scatter and all-gather through the halves.
 ONE_STEP_BYTES = 64 << 10
@@ -140,18 +146,30 @@ def set_up_segment(ctx: "GroupContext", call: "Call") -> Optional["SegmentLane"]
                 seg = core.Segment(name, ctx.size, me, half, False)
             except core.SegmentError as exc:
                 why = str(exc)
-        ok = ctx.setup_exchange(call, [(seg is not None, why)] * ctx.size, step=1)
+        cma = seg is not None and _all_mapped(seg, ctx.size) and seg.probe_cma()
+        ok = ctx.setup_exchange(call, [(seg is not None, why, cma)] * ctx.size, step=1)
     finally:
         if name:
             core.unlink(name)  # every rank mapped it (or gave up): nothing stays in /dev/shm
-    failed = {j: w for j, (fine, w) in enumerate(ok) if not fine}
+    failed = {j: w for j, (fine, w, _) in enumerate(ok) if not fine}
     if failed:
         if seg is not None:
             seg.close()
         logger.warning("raycoll: group %r runs without a node segment: %s", ctx.group_name,
                        "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
         return None
-    return SegmentLane(ctx, seg)
+    return SegmentLane(ctx, seg, cma=all(c for _, _, c in ok))
+
+
+def _all_mapped(seg: Any, size: int) -> bool:
+    """Whether every rank has mapped ``seg`` within ``MAPPED_WAIT_S`` (they do so right after
+    the set-up's first step; the cross-memory probe needs them all)."""
+    deadline = time.monotonic() + MAPPED_WAIT_S
+    while seg.attached < size:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class SegmentLane(RoundTransport):
@@ -163,9 +181,13 @@ class SegmentLane(RoundTransport):
     #: (what the backend asks to take the node segment's paths)
     is_segment = True
 
-    def __init__(self, ctx: "GroupContext", seg: Any) -> None:
+    def __init__(self, ctx: "GroupContext", seg: Any, cma: bool = False) -> None:
         super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
         self.seg = seg
+        #: whether large collectives read the peers' buffers across processes (every rank
+        #: may read every other's memory: the set-up's probe), from ``cma_bytes`` on
+        self.cma = cma
+        self.cma_bytes = CMA_BYTES
         self.half = int(seg.half_bytes)
         self.crowded = oversubscribed(ctx.size)
         spin = float(or_default(ctx.options.segment_spin_s, SPIN_S))
@@ -287,8 +309,7 @@ class SegmentLane(RoundTransport):
             return False
         fp = {"dtype": dtype_name(arr.dtype), "shape": arr.shape, "reduce_op": op.key,
               "device": "cpu", "op": "all_reduce"}
-        plan = plans.all_reduce(arr.size, arr.itemsize, self.ctx.size, self.ctx.rank,
-                                self.step_bytes, self.one_step_bytes, -1)
+        plan = self._all_reduce_plan(arr.size, arr.itemsize, -1)
         return (plan, codes[0], codes[1], float(op.factor or 1.0),
                 self.ctx.size if op.name == "AVG" else 0, fp, self._fps.encode(fp))
 
@@ -381,6 +402,17 @@ class SegmentLane(RoundTransport):
         self.seg.close()
 
     # ------------------------------------------------------------------ the collectives
+    def _all_reduce_plan(self, count: int, itemsize: int, root: int) -> plans.Plan:
+        """all_reduce's plan (reduce's, with a root): across processes when it is large."""
+        if self._across(count * itemsize):
+            return plans.cma_all_reduce(count, itemsize, self.ctx.size, self.ctx.rank, root)
+        return plans.all_reduce(count, itemsize, self.ctx.size, self.ctx.rank, self.step_bytes,
+                                self.one_step_bytes, root)
+
+    def _across(self, nbytes: int) -> bool:
+        """Whether a collective of ``nbytes`` reads the peers' buffers across processes."""
+        return self.cma and nbytes >= self.cma_bytes
+
     def _op(self, arr: np.ndarray, op: ReduceOp) -> Optional[Tuple[int, int]]:
         """(dtype code, op code) when the core reduces ``arr``'s dtype with ``op``."""
         code = dtype_code(arr.dtype)
@@ -398,8 +430,7 @@ class SegmentLane(RoundTransport):
         codes = self._op(flat, op)
         if codes is None:
             return self._reduce_in_numpy(call, flat, op, root)
-        plan = plans.all_reduce(flat.size, flat.itemsize, self.ctx.size, self.ctx.rank,
-                                self.step_bytes, self.one_step_bytes, root)
+        plan = self._all_reduce_plan(flat.size, flat.itemsize, root)
         self.run(call, plan, (flat,), codes[0], codes[1], float(op.factor or 1.0),
                  self.ctx.size if op.name == "AVG" else 0)
 
@@ -422,24 +453,33 @@ class SegmentLane(RoundTransport):
             self._reduce_in_numpy(call, mine, op, -1)
             np.copyto(out, mine[self.ctx.rank * out.size:(self.ctx.rank + 1) * out.size])
             return
-        plan = plans.reduce_scatter(out.size, out.itemsize, self.ctx.size, self.ctx.rank,
-                                    self.step_bytes)
+        if self._across(whole.nbytes):
+            plan = plans.cma_reduce_scatter(out.size, out.itemsize, self.ctx.size, self.ctx.rank)
+        else:
+            plan = plans.reduce_scatter(out.size, out.itemsize, self.ctx.size, self.ctx.rank,
+                                        self.step_bytes)
         self.run(call, plan, (whole, out), codes[0], codes[1], float(op.factor or 1.0),
                  self.ctx.size if op.name == "AVG" else 0)
 
     def run_broadcast(self, call: "Call", flat: np.ndarray, root: int) -> None:
-        plan = plans.broadcast(flat.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root)
+        plan = (plans.cma_broadcast(flat.nbytes, self.ctx.size, self.ctx.rank, root)
+                if self._across(flat.nbytes) else
+                plans.broadcast(flat.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root))
         self.run(call, plan, (_bytes(flat),))
 
     def run_all_gather(self, call: "Call", mine: np.ndarray, out: np.ndarray, root: int) -> None:
         """Every rank's ``mine`` into ``out`` (W pieces; only on ``root`` when >= 0)."""
-        plan = plans.all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes,
-                                  root)
+        plan = (plans.cma_all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, root)
+                if self._across(mine.nbytes * self.ctx.size) else
+                plans.all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes,
+                                 root))
         self.run(call, plan, (_bytes(mine), _bytes(out)))
 
     def run_scatter(self, call: "Call", whole: Optional[np.ndarray], out: np.ndarray,
                 root: int) -> None:
-        plan = plans.scatter(out.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root)
+        plan = (plans.cma_scatter(out.nbytes, self.ctx.size, self.ctx.rank, root)
+                if self._across(out.nbytes * self.ctx.size) else
+                plans.scatter(out.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root))
         src = _bytes(whole) if whole is not None else _EMPTY
         self.run(call, plan, (src, _bytes(out)))
 
