@@ -203,6 +203,15 @@ def test_data_movement_plans(n, nbytes):
         whole = np.concatenate([np.full(nbytes, 10 * j + r, np.uint8) for j in range(n)])
         s = np.zeros(nbytes, np.uint8)
         assert _run(seg, plans.scatter(nbytes, n, r, half, 0), [whole, s]) == (0, -1)
+        s2 = np.zeros(nbytes, np.uint8)  # the root's pieces one buffer each
+        assert _run(seg, plans.scatter(nbytes, n, r, half, 0, pieces=True),
+                    [np.empty(0, np.uint8), s2] + [whole[j * nbytes:(j + 1) * nbytes]
+                                                   for j in range(n)]) == (0, -1)
+        assert np.array_equal(s, s2)
+        g2 = [np.zeros(nbytes, np.uint8) for _ in range(n)]
+        assert _run(seg, plans.all_gather(nbytes, n, r, half, pieces=True),
+                    [mine, np.empty(0, np.uint8)] + g2) == (0, -1)
+        assert np.array_equal(np.concatenate(g2), g)
         rs = np.zeros(nbytes, np.uint8)
         assert _run(seg, plans.reduce_scatter(nbytes, 1, n, r, half), [whole, rs],
                     DTYPE_CODES["uint8"], OP_CODES["SUM"]) == (0, -1)
@@ -655,6 +664,14 @@ def test_cross_memory_plans_read_the_peers_buffers(n):
                     seq=5) == (0, -1)
         sc = np.zeros(count)
         assert _run(seg, plans.cma_scatter(count * 8, n, r, 0), [whole, sc], seq=6) == (0, -1)
+        sc2 = np.zeros(count)
+        assert _run(seg, plans.cma_scatter(count * 8, n, r, 0, pieces=True),
+                    [np.empty(0), sc2] + [whole[j * count:(j + 1) * count] for j in range(n)],
+                    seq=7) == (0, -1)
+        g2 = [np.zeros(count) for _ in range(n)]
+        assert _run(seg, plans.cma_all_gather(count * 8, n, r, pieces=True),
+                    [np.full(count, r + 0.5), np.empty(0)] + g2, seq=8) == (0, -1)
+        assert np.array_equal(sc, sc2) and np.array_equal(np.concatenate(g2), g)
         return x, red, rs, b, g, sc
 
     for r, (x, red, rs, b, g, sc) in enumerate(_in_threads(n, body, PAGE)):

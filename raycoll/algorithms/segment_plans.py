@@ -44,6 +44,9 @@ CFINAL = 0x100
 NEXT = -2
 #: SYNC's flag: a call's first step (fingerprints compared)
 FIRST = 1
+#: SYNC's flag: the step publishes the call's buffers in the rank's half, for the peers to
+#: read across processes (CREAD, CREDUCE)
+PUBLISH = 2
 #: REDUCE's flag: apply the op's final step to the result
 FINISH = 1
 #: Slot offsets are kept on cache lines.
@@ -73,8 +76,8 @@ def write(buf: int, off: int, n: int, slot_off: int) -> Op:
     return (WRITE, buf, off, n, 0, slot_off, 0, 0)
 
 
-def sync(first: bool = False) -> Op:
-    return (SYNC, 0, 0, 0, 0, 0, FIRST if first else 0, 0)
+def sync(first: bool = False, publish: bool = False) -> Op:
+    return (SYNC, 0, 0, 0, 0, 0, (FIRST if first else 0) | (PUBLISH if publish else 0), 0)
 
 
 def copy(dst: int, off: int, n: int, rank: int, slot_off: int) -> Op:
@@ -187,34 +190,52 @@ def broadcast(nbytes: int, nranks: int, me: int, half: int, root: int) -> Plan:
     return _plan(ops)
 
 
+def _piece(pieces: bool, j: int, nbytes: int) -> Tuple[int, int]:
+    """Where piece ``j`` of ``nbytes`` is: buffer ``2 + j`` (``pieces``: one buffer each),
+    else buffer 1 at ``j * nbytes``."""
+    return (2 + j, 0) if pieces else (1, j * nbytes)
+
+
 @lru_cache(maxsize=256)
-def all_gather(nbytes: int, nranks: int, me: int, half: int, root: int = -1) -> Plan:
-    """all_gather: buffer 0 this rank's input (``nbytes``), buffer 1 the output (``nranks``
-    pieces); with ``root >= 0``, gather: only ``root`` has an output."""
+def all_gather(nbytes: int, nranks: int, me: int, half: int, root: int = -1,
+               pieces: bool = False) -> Plan:
+    """all_gather: buffer 0 this rank's input (``nbytes``), the output's pieces in buffer 1
+    (or buffers 2, 3, ...: ``pieces``); with ``root >= 0``, gather: only ``root`` has an
+    output."""
     step = _down(half, ALIGN)
     mine = root < 0 or root == me
-    ops: List[Op] = [local(1, me * nbytes, nbytes, 0, 0)] if mine and nbytes else []
+    ops: List[Op] = [local(*_piece(pieces, me, nbytes), nbytes, 0, 0)] if mine and nbytes else []
     for k, lo in enumerate(range(0, max(nbytes, 1), step)):
         n = min(step, nbytes - lo)
         if n:
             ops.append(write(0, lo, n, 0))
         ops.append(sync(first=k == 0))
         if mine and n:
-            ops += [copy(1, r * nbytes + lo, n, r, 0) for r in range(nranks) if r != me]
+            for r in range(nranks):
+                if r != me:
+                    buf, off = _piece(pieces, r, nbytes)
+                    ops.append(copy(buf, off + lo, n, r, 0))
     return _plan(ops)
 
 
 @lru_cache(maxsize=256)
-def scatter(nbytes: int, nranks: int, me: int, half: int, root: int) -> Plan:
-    """scatter: buffer 0 the root's ``nranks`` pieces of ``nbytes`` (any buffer elsewhere),
-    buffer 1 this rank's output."""
+def scatter(nbytes: int, nranks: int, me: int, half: int, root: int, pieces: bool = False) -> Plan:
+    """scatter: the root's ``nranks`` pieces of ``nbytes`` in buffer 0 (or buffers 2, 3,
+    ...: ``pieces``), buffer 1 this rank's output."""
     per = _down(half // nranks, ALIGN) or max(1, half // nranks)
     chunk = min(per, max(nbytes, 1))
-    ops: List[Op] = [local(1, 0, nbytes, 0, root * nbytes)] if me == root and nbytes else []
+
+    def source(j: int) -> Tuple[int, int]:
+        return (2 + j, 0) if pieces else (0, j * nbytes)
+
+    ops: List[Op] = [local(1, 0, nbytes, *source(root))] if me == root and nbytes else []
     for k, lo in enumerate(range(0, max(nbytes, 1), chunk)):
         n = min(chunk, nbytes - lo)
         if me == root and n:
-            ops += [write(0, j * nbytes + lo, n, j * chunk) for j in range(nranks) if j != me]
+            for j in range(nranks):
+                if j != me:
+                    buf, off = source(j)
+                    ops.append(write(buf, off + lo, n, j * chunk))
         ops.append(sync(first=k == 0))
         if me != root and n:
             ops.append(copy(1, lo, n, root, me * chunk))
@@ -306,13 +327,13 @@ def cma_all_reduce(count: int, itemsize: int, nranks: int, me: int, root: int = 
     its own, then each reads the others' reduced parts. With ``root >= 0``, reduce: the root
     reduces the whole buffer out of the others' (theirs stay as they were)."""
     if root >= 0:
-        ops: List[Op] = [sync(first=True)]
+        ops: List[Op] = [sync(first=True, publish=True)]
         if me == root and count:
             ops.append(creduce(0, 0, count * itemsize, 0, 0, finish=True))
         return _plan(ops + [sync()])
     parts = blocks(0, count, nranks)
     a, b = parts[me]
-    ops = [sync(first=True)]
+    ops = [sync(first=True, publish=True)]
     if b > a:
         ops.append(creduce(0, a * itemsize, (b - a) * itemsize, a * itemsize, 0, finish=True))
     ops.append(sync())
@@ -326,7 +347,7 @@ def cma_reduce_scatter(count: int, itemsize: int, nranks: int, me: int) -> Plan:
     """reduce_scatter: buffer 0 every rank's ``nranks`` pieces, buffer 1 this rank's result:
     piece ``me`` reduced out of every rank's buffer 0."""
     n = count * itemsize
-    ops: List[Op] = [sync(first=True)]
+    ops: List[Op] = [sync(first=True, publish=True)]
     if n:
         ops.append((CREDUCE, 1, 0, n, 0, me * n, 0 | CFINAL, 0))
     return _plan(ops + [sync()])
@@ -335,29 +356,35 @@ def cma_reduce_scatter(count: int, itemsize: int, nranks: int, me: int) -> Plan:
 @lru_cache(maxsize=256)
 def cma_broadcast(nbytes: int, nranks: int, me: int, root: int) -> Plan:
     """broadcast of buffer 0: every rank reads the root's."""
-    ops: List[Op] = [sync(first=True)]
+    ops: List[Op] = [sync(first=True, publish=True)]
     if me != root and nbytes:
         ops.append(cread(0, 0, nbytes, root, 0))
     return _plan(ops + [sync()])
 
 
 @lru_cache(maxsize=256)
-def cma_all_gather(nbytes: int, nranks: int, me: int, root: int = -1) -> Plan:
-    """all_gather (buffer 0 the input, 1 the output; gather with ``root >= 0``): every rank
-    (or the root) reads every peer's input."""
+def cma_all_gather(nbytes: int, nranks: int, me: int, root: int = -1,
+                   pieces: bool = False) -> Plan:
+    """all_gather (buffer 0 the input; the output as in :func:`all_gather`; gather with
+    ``root >= 0``): every rank (or the root) reads every peer's input."""
     mine = root < 0 or root == me
-    ops: List[Op] = [local(1, me * nbytes, nbytes, 0, 0)] if mine and nbytes else []
-    ops.append(sync(first=True))
+    ops: List[Op] = [local(*_piece(pieces, me, nbytes), nbytes, 0, 0)] if mine and nbytes else []
+    ops.append(sync(first=True, publish=True))
     if mine and nbytes:
-        ops += [cread(1, r * nbytes, nbytes, r, 0) for r in range(nranks) if r != me]
+        for r in range(nranks):
+            if r != me:
+                buf, off = _piece(pieces, r, nbytes)
+                ops.append(cread(buf, off, nbytes, r, 0))
     return _plan(ops + [sync()])
 
 
 @lru_cache(maxsize=256)
-def cma_scatter(nbytes: int, nranks: int, me: int, root: int) -> Plan:
-    """scatter: buffer 0 the root's pieces, 1 this rank's output: read from the root's."""
-    ops: List[Op] = [local(1, 0, nbytes, 0, root * nbytes)] if me == root and nbytes else []
-    ops.append(sync(first=True))
+def cma_scatter(nbytes: int, nranks: int, me: int, root: int, pieces: bool = False) -> Plan:
+    """scatter (as :func:`scatter`): every rank reads its piece from the root's."""
+    source = (2 + root, 0) if pieces else (0, root * nbytes)
+    ops: List[Op] = [local(1, 0, nbytes, *source)] if me == root and nbytes else []
+    ops.append(sync(first=True, publish=True))
     if me != root and nbytes:
-        ops.append(cread(1, 0, nbytes, root, me * nbytes))
+        ops.append(cread(1, 0, nbytes, root, 0, 2 + me) if pieces
+                   else cread(1, 0, nbytes, root, me * nbytes, 0))
     return _plan(ops + [sync()])

@@ -4,8 +4,8 @@
 Each method returns ``False`` (nothing done) when the group has no node segment (the same on
 every rank: the group's first collective decides); the backend then takes its other paths.
 They take the user's arrays as they come (numpy views of torch tensors too) and hand the
-core flat, contiguous buffers: a non-contiguous output goes through a temporary, a list of
-outputs through one contiguous buffer (then copied to each).
+core flat, contiguous buffers, one for each array of a list (a non-contiguous one goes
+through a temporary).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll.algorithms.flat import copy_into, flat_in, flat_out
+from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.reduce_op import ReduceOp
 
@@ -73,14 +73,12 @@ class SegmentPaths:
         if lane is None:
             return False
         src = flat_in(mine)
-        me, size = self.ctx.rank, self.ctx.size
-        if root is not None and me != root:
-            lane.run_all_gather(call, src, np.empty(0, dtype=src.dtype), root)
+        if root is not None and self.ctx.rank != root:
+            lane.run_all_gather(call, src, None, root)
             return True
-        whole = np.empty(src.size * size, dtype=src.dtype)
-        lane.run_all_gather(call, src, whole, -1 if root is None else root)
-        for j, o in enumerate(outs):
-            copy_into(o, [whole[j * src.size:(j + 1) * src.size]])
+        with ExitStack() as stack:  # each output its own buffer
+            flats = [stack.enter_context(flat_out(o)) for o in outs]
+            lane.run_all_gather(call, src, None, -1 if root is None else root, flats)
         return True
 
     def _seg_gather_into(self, mine: np.ndarray, output: np.ndarray, call: Call) -> bool:
@@ -96,11 +94,9 @@ class SegmentPaths:
         lane = self._segment(call, out.nbytes * (self.ctx.size - 1), self.round_bytes)
         if lane is None:
             return False
-        whole = None
-        if self.ctx.rank == src:
-            whole = np.concatenate([flat_in(view(t)) for t in inputs or []])
+        pieces = [flat_in(view(t)) for t in inputs or []] if self.ctx.rank == src else []
         with flat_out(out) as flat:
-            lane.run_scatter(call, whole, flat, src)
+            lane.run_scatter(call, pieces, flat, src)
         return True
 
     def _seg_all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], call: Call) -> bool:

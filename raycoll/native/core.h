@@ -45,9 +45,9 @@ typedef struct {
  *   RED2    buf a[a_off, +n) = itself op buf b[b_off, +n)
  *   MREDUCE buf a[a_off, +n) = buf b's flags sources at b_off, b_off + extra, ... reduced in
  *           order (flags >= 1; the sources may not overlap the destination)
- * Across processes, on the node segment's ranks (segment.h: the call's first step publishes
- * its buffers 0..RC_PUBLISHED-1; process_vm_readv reads them):
- *   CREAD   local rank b's published buffer (flags) [b_off, +n) into buf a at a_off
+ * Across processes, on the node segment's ranks (segment.h: a SYNC with RC_STEP_PUBLISH
+ * publishes the call's buffers; process_vm_readv reads them):
+ *   CREAD   local rank b's published buffer flags [b_off, +n) into buf a at a_off
  *   CREDUCE buf a[a_off, +n) = every local rank's [b_off, +n) of its published buffer
  *           flags & 0xff (this rank's own, locally: it may be buf a's same range), reduced in
  *           rank order (flags & 0x100: then AVG's division / PREMUL's factor)
@@ -68,6 +68,8 @@ enum {
     RC_OP_CREDUCE = 13,
 };
 #define RC_CFLAG_FINAL 0x100
+/* The most buffers one run takes. */
+#define RC_MAX_BUFS 4096
 #define RC_BUF_NEXT (-2)
 #define RC_FLAG_FINAL 1
 #define RC_OP_WORDS 8

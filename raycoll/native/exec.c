@@ -35,8 +35,6 @@ static int op_ok(const rc_seg *seg, const rc_net *net, const int64_t *o, const r
     switch (kind) {
     case RC_OP_WRITE:
         return seg != NULL && src_ok && in_range(b_off, n, half);
-    case RC_OP_SYNC:
-        return seg != NULL;
     case RC_OP_COPY:
         return seg != NULL && dst_ok && b >= 0 && b < seg->nranks && in_range(b_off, n, half);
     case RC_OP_REDUCE:
@@ -57,14 +55,16 @@ static int op_ok(const rc_seg *seg, const rc_net *net, const int64_t *o, const r
         return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len) && whole &&
                rc_reduce_supported(call->dtype, call->op) &&
                !(a == b && overlap(a_off, n, b_off, n) && a_off != b_off);
+    case RC_OP_SYNC:
+        return seg != NULL && (o[6] & ~(int64_t)(RC_STEP_FIRST | RC_STEP_PUBLISH)) == 0;
     case RC_OP_CREAD:
         return seg != NULL && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < seg->nranks &&
-               (o[6] & 0xff) < RC_PUBLISHED;
+               o[6] >= 0 && o[6] < RC_MAX_BUFS;
     case RC_OP_CREDUCE: {
         int64_t idx = o[6] & 0xff;
         if (!(seg != NULL && dst_ok && a != RC_BUF_NEXT && whole && idx < nbufs &&
-              idx < RC_PUBLISHED && (o[6] & ~(int64_t)0x1ff) == 0 &&
-              in_range(b_off, n, bufs[idx].len) && rc_reduce_supported(call->dtype, call->op)))
+              (o[6] & ~(int64_t)0x1ff) == 0 && in_range(b_off, n, bufs[idx].len) &&
+              rc_reduce_supported(call->dtype, call->op)))
             return 0;
         /* this rank's own source is dst itself, or apart from it */
         return idx != a || b_off == a_off || !overlap(a_off, n, b_off, n);
@@ -175,7 +175,7 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
             memcpy(rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
             break;
         case RC_OP_SYNC:
-            rc = rc_seg_sync(seg, (o[6] & RC_STEP_FIRST) != 0, call, bufs, nbufs, peer);
+            rc = rc_seg_sync(seg, (int)o[6], call, bufs, nbufs, peer);
             if (rc == RC_RETRY) {
                 if (moved) {  /* its messages are gone: the call fails, its step taken */
                     *peer = -1;
@@ -224,7 +224,7 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
             rc_reduce(call->dtype, call->op, dst, srcs, (int)o[6], n / esize);
             break;
         case RC_OP_CREAD:
-            rc = rc_seg_cma_read(seg, (int)o[4], (int)(o[6] & 0xff), b_off, n, dst);
+            rc = rc_seg_cma_read(seg, (int)o[4], (int)o[6], b_off, n, dst);
             if (rc) {
                 *peer = (int)o[4];
                 return rc;

@@ -11,8 +11,8 @@
 #include "reduce.h"
 #include "segment.h"
 
-/* The most buffers one run takes (an all_to_all's pieces each). */
-#define MAX_BUFS 4096
+/* The most buffers one run takes (an all_to_all's pieces each: core.h). */
+#define MAX_BUFS RC_MAX_BUFS
 
 /* Reductions of at most this many bytes keep the GIL (releasing it costs more). */
 #define GIL_FREE_BYTES 65536
@@ -568,6 +568,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         {"OP_WRITE", RC_OP_WRITE}, {"OP_SYNC", RC_OP_SYNC}, {"OP_COPY", RC_OP_COPY},
         {"OP_REDUCE", RC_OP_REDUCE}, {"OP_LOCAL", RC_OP_LOCAL}, {"OP_FINAL", RC_OP_FINAL},
         {"BUF_NEXT", RC_BUF_NEXT}, {"FLAG_FINAL", RC_FLAG_FINAL}, {"STEP_FIRST", RC_STEP_FIRST},
+        {"STEP_PUBLISH", RC_STEP_PUBLISH},
         {"OK", RC_OK}, {"MISMATCH", RC_MISMATCH}, {"ABORTED", RC_ABORTED}, {"DEAD", RC_DEAD},
         {"BADPLAN", RC_BADPLAN}, {"CLOSED", RC_CLOSED}, {"SEQ", RC_SEQ},
         {"ABORT_FAILED", RC_ABORT_FAILED}, {"ABORT_CLOSED", RC_ABORT_CLOSED},

@@ -376,9 +376,23 @@ static int compare_info(const rc_seg *s, uint32_t step, int *peer) {
 }
 
 /* ---------------------------------------------------------------- steps */
-int rc_seg_sync(rc_seg *s, int first, const rc_call *call, const rc_buf *bufs, int nbufs,
+int rc_seg_sync(rc_seg *s, int flags, const rc_call *call, const rc_buf *bufs, int nbufs,
                 int *peer) {
     uint32_t step = s->step + 1u;
+    int first = (flags & RC_STEP_FIRST) != 0;
+    if (flags & RC_STEP_PUBLISH) {
+        if ((uint64_t)(2 * nbufs + 1) * 8u > s->half) {
+            *peer = -1;
+            return RC_BADPLAN;
+        }
+        uint64_t *table = (uint64_t *)rc_seg_half(s, s->me, (int)(step & 1u));
+        table[0] = (uint64_t)nbufs;
+        for (int i = 0; i < nbufs; i++) {
+            table[1 + 2 * i] = (uint64_t)(uintptr_t)bufs[i].ptr;
+            table[2 + 2 * i] = bufs[i].len;
+        }
+        s->first_step = step;
+    }
     if (first) {
         rc_step_info *info = &s->ctl[s->me].info[step & 1u];
         info->call_seq = call->call_seq;
@@ -386,11 +400,6 @@ int rc_seg_sync(rc_seg *s, int first, const rc_call *call, const rc_buf *bufs, i
         info->flags = RC_STEP_FIRST;
         info->fp_len = call->fp_len;
         memcpy(info->fp, call->fp, call->fp_len);
-        for (int i = 0; i < RC_PUBLISHED; i++) {
-            info->addr[i] = i < nbufs ? (uint64_t)(uintptr_t)bufs[i].ptr : 0;
-            info->len[i] = i < nbufs ? bufs[i].len : 0;
-        }
-        s->first_step = step;
     }
     publish(s, step);
     int rc = wait_all(s, step, call, peer);
@@ -432,11 +441,12 @@ int rc_seg_probe_cma(rc_seg *s) {
 }
 
 int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst) {
-    const rc_step_info *info = &s->ctl[r].info[s->first_step & 1u];
-    if (idx < 0 || idx >= RC_PUBLISHED || info->step != s->first_step || n > info->len[idx] ||
-        off > info->len[idx] - n)
-        return RC_BADPLAN;
-    return read_process(s->ctl[r].pid, info->addr[idx] + off, dst, n);
+    const uint64_t *table = (const uint64_t *)rc_seg_half(s, r, (int)(s->first_step & 1u));
+    uint64_t count = table[0];
+    if (idx < 0 || (uint64_t)idx >= count || (2 * count + 1) * 8u > s->half) return RC_BADPLAN;
+    uint64_t at = table[1 + 2 * idx], len = table[2 + 2 * idx];
+    if (n > len || off > len - n) return RC_BADPLAN;
+    return read_process(s->ctl[r].pid, at + off, dst, n);
 }
 #else
 int rc_seg_probe_cma(rc_seg *s) {

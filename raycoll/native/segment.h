@@ -27,9 +27,9 @@
  *   4. reads the peers' halves s % 2: copies, or reduces them in rank order (every rank
  *      holds bitwise the same result), possibly into its own half (s + 1) % 2 for step s + 1.
  * Large collectives may instead read the peers' own buffers (where process_vm_readv may:
- * cross-memory attach), whose addresses the call's first step publishes: one copy a byte, or
- * none, with a wait before the call ends so that no peer still reads a buffer its owner has
- * given back.
+ * cross-memory attach), whose addresses the call's first step publishes (RC_STEP_PUBLISH):
+ * one copy a byte, with a wait before the call ends so that no peer still reads a buffer its
+ * owner has got back.
  * Every step waits for every local rank, so when a rank writes half p in step s + 2 every
  * peer has published s + 1, and so has finished reading half p in step s: two halves are
  * enough, with one wait a step. Python may read the peers' halves of the last step between
@@ -51,17 +51,21 @@ extern "C" {
 #endif
 
 #define RC_SEG_MAGIC 0x31304c4c4f435952ULL /* "RAYCOLL01", little-endian */
-#define RC_SEG_VERSION 2u
+#define RC_SEG_VERSION 3u
 #define RC_HEADER_BYTES 128u
-#define RC_CTL_BYTES 768u
+#define RC_CTL_BYTES 640u
 #define RC_FP_BYTES 192u
 #define RC_PAGE 4096u
 #define RC_MAX_RANKS 1024
 #define RC_NAME_MAX 64
-#define RC_PUBLISHED 4 /* buffers a call publishes for cross-memory reads */
 
-/* rc_step_info.flags */
-#define RC_STEP_FIRST 1u  /* the first step of a call: fp and call_seq are compared */
+/* rc_step_info.flags (and RC_OP_SYNC's flags) */
+#define RC_STEP_FIRST 1u   /* the first step of a call: fp and call_seq are compared */
+#define RC_STEP_PUBLISH 2u /* the step publishes the call's buffers in the rank's half (its
+                              count, then each one's address and length, as uint64): the
+                              peers read them with process_vm_readv (RC_OP_CREAD,
+                              RC_OP_CREDUCE), checked against those lengths, while the call
+                              lasts (its plan writes nothing into that half meanwhile) */
 
 /* Reasons a rank gives up on the group (rc_ctl.abort). */
 #define RC_ABORT_FAILED 1u /* its call failed in the middle (timeout, a dead peer, ...) */
@@ -89,11 +93,6 @@ typedef struct {
     uint32_t fp_len;          /* bytes of fp in use */
     uint32_t pad;
     uint8_t fp[RC_FP_BYTES];  /* the call's fingerprint (Python's encoding), compared whole */
-    /* where the call's first RC_PUBLISHED buffers are in the owner's process, and their
-     * lengths: the peers read them with process_vm_readv (RC_OP_CREAD, RC_OP_CREDUCE),
-     * checked against these lengths, while the call lasts */
-    uint64_t addr[RC_PUBLISHED];
-    uint64_t len[RC_PUBLISHED];
 } rc_step_info;
 
 /* One rank's control block: three lines written by different parties, then its step info. */
@@ -130,7 +129,7 @@ typedef struct rc_seg {
     uint32_t step;       /* the last step this rank published */
     volatile int closing; /* set by the binding's close(): a running wait ends at once */
     uint64_t spin_fails;  /* waits whose spin ran its whole length (the peer was not there) */
-    uint32_t first_step;  /* the running call's first step (whose infos hold its buffers) */
+    uint32_t first_step;  /* the running call's first step (whose halves hold its buffers) */
     uint64_t probe;       /* the word whose address the control line publishes */
     char name[RC_NAME_MAX];
 } rc_seg;
@@ -145,18 +144,19 @@ int rc_seg_unlink(const char *name);
 void rc_seg_unmap(rc_seg *s);
 /* Tell the peers this rank gave up (reason RC_ABORT_*), and wake every sleeper. */
 void rc_seg_abort(rc_seg *s, uint32_t reason);
-/* One step: fill in this rank's step info (when first: the call's first step), publish the
- * next step (when first, publishing the call's first buffers: RC_PUBLISHED), wait for
- * every rank, and (when first) compare the infos: RC_OK, RC_RETRY (this
+/* One step (flags: RC_STEP_*): fill in this rank's step info (the call's first step), write
+ * the call's buffers into its half (RC_STEP_PUBLISH), publish the next step, wait for every
+ * rank, and (the first step) compare the infos: RC_OK, RC_RETRY (this
  * step stood in for a peer's earlier call: run the call again from the next step), or a
  * failure (*peer names a rank). */
-int rc_seg_sync(rc_seg *s, int first, const rc_call *call, const rc_buf *bufs, int nbufs,
+int rc_seg_sync(rc_seg *s, int flags, const rc_call *call, const rc_buf *bufs, int nbufs,
                 int *peer);
 /* Whether this process can read every peer's memory (process_vm_readv of the word each
  * published when it mapped the segment; Linux, with the peers' ptrace permission): 1 or 0.
  * Call once every rank has mapped the segment. */
 int rc_seg_probe_cma(rc_seg *s);
-/* Cross-memory reads, during a call, of local rank r's published buffer idx, [off, +n) */
+/* A cross-memory read, during a call, of local rank r's published buffer idx, [off, +n), into
+ * dst: RC_OK, RC_DEAD, RC_BADPLAN (past what it published) or RC_IOERR. */
 int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst);
 /* The bytes of rank r's half p. */
 uint8_t *rc_seg_half(const rc_seg *s, int r, int p);

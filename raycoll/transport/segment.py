@@ -467,21 +467,28 @@ class SegmentLane(RoundTransport):
                 plans.broadcast(flat.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root))
         self.run(call, plan, (_bytes(flat),))
 
-    def run_all_gather(self, call: "Call", mine: np.ndarray, out: np.ndarray, root: int) -> None:
-        """Every rank's ``mine`` into ``out`` (W pieces; only on ``root`` when >= 0)."""
-        plan = (plans.cma_all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, root)
-                if self._across(mine.nbytes * self.ctx.size) else
-                plans.all_gather(mine.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes,
-                                 root))
-        self.run(call, plan, (_bytes(mine), _bytes(out)))
+    def run_all_gather(self, call: "Call", mine: np.ndarray, out: Optional[np.ndarray],
+                       root: int, pieces: Sequence[np.ndarray] = ()) -> None:
+        """Every rank's ``mine`` into ``out`` (W pieces) or into ``pieces`` (one array each);
+        only on ``root`` when it is >= 0 (the others pass neither)."""
+        size, me = self.ctx.size, self.ctx.rank
+        each = bool(pieces)
+        plan = (plans.cma_all_gather(mine.nbytes, size, me, root, each)
+                if self._across(mine.nbytes * size) else
+                plans.all_gather(mine.nbytes, size, me, self.step_bytes, root, each))
+        outs = (_EMPTY,) + tuple(_bytes(p) for p in pieces) if each else (
+            _bytes(out) if out is not None else _EMPTY,)
+        self.run(call, plan, (_bytes(mine),) + outs)
 
-    def run_scatter(self, call: "Call", whole: Optional[np.ndarray], out: np.ndarray,
-                root: int) -> None:
-        plan = (plans.cma_scatter(out.nbytes, self.ctx.size, self.ctx.rank, root)
-                if self._across(out.nbytes * self.ctx.size) else
-                plans.scatter(out.nbytes, self.ctx.size, self.ctx.rank, self.step_bytes, root))
-        src = _bytes(whole) if whole is not None else _EMPTY
-        self.run(call, plan, (src, _bytes(out)))
+    def run_scatter(self, call: "Call", pieces: Sequence[np.ndarray], out: np.ndarray,
+                    root: int) -> None:
+        """The root's ``pieces[j]`` (one array each; the others pass none) into rank j's
+        ``out``."""
+        size, me = self.ctx.size, self.ctx.rank
+        plan = (plans.cma_scatter(out.nbytes, size, me, root, True)
+                if self._across(out.nbytes * size) else
+                plans.scatter(out.nbytes, size, me, self.step_bytes, root, True))
+        self.run(call, plan, (_EMPTY, _bytes(out)) + tuple(_bytes(p) for p in pieces))
 
     def run_barrier(self, call: "Call") -> None:
         self.run(call, plans.barrier(), ())
