@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-runs every measurement of benchmarks/BENCHMARKS.md; writes benchmarks/results/*.{txt,json,png}.
+# Re-runs the measurements of benchmarks/HISTORY.md (the issues before the native core); writes benchmarks/results/*.{txt,json,png}.
 # Takes 5-15 minutes on the 2-core reference machine, depending on its load. Check `uptime` first: other load
 # skews every figure (the load before and after each run is recorded in its .txt file).
 set -u

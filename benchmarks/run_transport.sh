@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-runs the direct-connection measurements of benchmarks/BENCHMARKS.md ("Across nodes and
+# Re-runs the direct-connection measurements of benchmarks/HISTORY.md ("Across nodes and
 # point to point"): two Ray nodes on this machine (ray.cluster_utils.Cluster, sockets on
 # loopback) and point-to-point on one node, each against gloo in the same run. 2-3 minutes
 # on the 2-core reference machine; check `uptime` first.

@@ -1,7 +1,7 @@
 """The paper-scale case this machine cannot run: the cost model's predicted all_reduce time
 for 64, 256 and 1,024 ranks, 8 a node, 25 Gb/s between nodes, shared memory inside, for every
 all_reduce algorithm raycoll has; the flat ring is also what torch's gloo runs (it knows no
-node map). Prints a markdown table (BENCHMARKS.md, "Many ranks").
+node map). Prints a markdown table (HISTORY.md, "Many ranks").
 
     python benchmarks/scale_model.py [--worlds 64,256,1024] [--per-node 8]
 

@@ -221,7 +221,7 @@ _SpawnWorker: Any = ray.remote(RankWorker)
 
 #: Ray frees out-of-scope objects in batches, once a second by default; until then every new
 #: ``ray.put`` lands in cold store memory (page faults), which makes large collectives 2-3x
-#: slower (benchmarks/BENCHMARKS.md). A Ray that raycoll starts frees every 10 ms.
+#: slower (benchmarks/HISTORY.md). A Ray that raycoll starts frees every 10 ms.
 FREE_PERIOD_ENV = "RAY_free_objects_period_milliseconds"
 
 

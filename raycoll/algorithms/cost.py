@@ -15,7 +15,7 @@ the same model and the same topology, so every rank makes the same choice.
 On a host whose ranks outnumber its cores (a group on one host only: one Ray node, or Ray
 nodes on one machine; every rank then knows the same core count), every step also costs
 ``wake``: its ranks run in turn, each waiting to be scheduled. The defaults were measured on this project's 2-core machine
-(benchmarks/BENCHMARKS.md, "Many ranks"); ``raycoll-bench --calibrate`` measures a
+(benchmarks/HISTORY.md, "Many ranks"); ``raycoll-bench --calibrate`` measures a
 cluster's and prints the ``cost_model`` group option that carries them.
 """
 
@@ -115,7 +115,7 @@ class CostModel:
         return total
 
 
-#: Measured here (benchmarks/BENCHMARKS.md, "Many ranks"): a message's fixed cost is mostly
+#: Measured here (benchmarks/HISTORY.md, "Many ranks"): a message's fixed cost is mostly
 #: Python's (framing, one ``sendmsg``, a poll), a byte's a kernel copy at each end.
 DEFAULT = CostModel(
     links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),

@@ -63,7 +63,7 @@ class DirectAlgorithms:
         scratch buffer shaped as ``like`` flat. The same operations on every rank, into a
         buffer that aliases no input: numpy's complex kernels round differently when the
         output aliases an input, and every rank must hold bitwise the same result. The buffer
-        is kept: a fresh one per call costs page faults (benchmarks/BENCHMARKS.md)."""
+        is kept: a fresh one per call costs page faults (benchmarks/HISTORY.md)."""
         out = self._scratch(like)
         _combine_into(op, out, flat_in(terms[0]), flat_in(terms[1]))
         for term in terms[2:]:

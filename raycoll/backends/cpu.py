@@ -9,7 +9,7 @@ round transport carries). Point-to-point goes over the group's direct connection
 has them, else through the coordinator.
 
 The design (paths, thresholds, algorithms, object-store memory) is written once in
-``docs/transports.md``; why the thresholds are what they are: benchmarks/BENCHMARKS.md.
+``docs/transports.md``; why the thresholds are what they are: benchmarks/HISTORY.md.
 The thresholds are group options (:class:`raycoll.GroupOptions`).
 """
 
@@ -47,17 +47,17 @@ DIRECT_BYTES = 1 << 20
 #: ... and, on a single node, at any size with at most this many ranks: one step (with
 #: ``W - 1`` reads per rank) beat the two steps of reduce-scatter + all-gather up to 4 ranks
 #: even at 64 MiB, because each step costs a coordinator round trip that carries object
-#: references, which costs much more than one without (benchmarks/BENCHMARKS.md).
+#: references, which costs much more than one without (benchmarks/HISTORY.md).
 DIRECT_MAX_RANKS = 4
 #: Arrays are put as segments of at most this size. Ray copies a large buffer into the store
 #: with several threads started per copy, which on a loaded or small machine is several times
-#: slower than one ``memcpy`` per segment (benchmarks/BENCHMARKS.md).
+#: slower than one ``memcpy`` per segment (benchmarks/HISTORY.md).
 SEGMENT_BYTES = 8 << 20
 
 #: A collective too large for one lane message streams through the lane in rounds, each
 #: rank sending at most this much per destination in a round (and at most ``lane_bytes`` in
 #: all): a round's data then stays in the caches between the writer's copy into its channel
-#: and the readers' pass over it (benchmarks/BENCHMARKS.md, "Streaming rounds").
+#: and the readers' pass over it (benchmarks/HISTORY.md, "Streaming rounds").
 STREAM_BYTES = 1 << 20
 
 #: The all_reduce algorithms of the steps through the coordinator.
@@ -80,7 +80,7 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
         opts = ctx.options  # validated when the group was formed (raycoll.options)
         self.inline_bytes = or_default(opts.inline_bytes, INLINE_BYTES)
         # Over direct connections rounds are not bounded by a channel or the caches but by
-        # the cost of each round trip: larger rounds (benchmarks/BENCHMARKS.md).
+        # the cost of each round trip: larger rounds (benchmarks/HISTORY.md).
         tcp = ctx.planned_transport() == "tcp"
         self.lane_bytes = or_default(opts.lane_bytes, TCP_ROUND_BYTES if tcp else LANE_BYTES)
         self.stream = opts.stream and self.lane_bytes > 0
@@ -92,7 +92,7 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
         # readers' pass. Oversubscribed ranks wait for the scheduler, so a collective that
         # sends every peer the same data (broadcast, the gathers) takes fewer, larger rounds;
         # the reductions and all_to_all keep ``stream_bytes`` pieces there (both measured:
-        # benchmarks/BENCHMARKS.md, "Streaming rounds"). The same on every rank: from the
+        # benchmarks/HISTORY.md, "Streaming rounds"). The same on every rank: from the
         # group's options, its size and the node's cores.
         self.oversubscribed = oversubscribed(ctx.size)
         self.round_bytes = self.lane_bytes
@@ -100,7 +100,7 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
             self.round_bytes = min(self.lane_bytes, self.stream_bytes * max(1, ctx.size - 1))
         # all_reduce and reduce in one round: every rank reads and reduces all W buffers;
         # streamed, each reduces only its 1/W chunk of them (faster from a few MiB on:
-        # benchmarks/BENCHMARKS.md, "Streaming rounds").
+        # benchmarks/HISTORY.md, "Streaming rounds").
         self.reduce_round_bytes = (min(self.round_bytes, self.stream_bytes) if self.stream
                                    else self.round_bytes)
         self._scratch_buf: Optional[np.ndarray] = None

@@ -152,7 +152,7 @@ def configure_ray_env(opts: Options) -> None:
 
     Ray frees unused objects in batches, by default once a second; until then each put lands in
     store memory not touched lately, which costs page faults (figures in
-    benchmarks/BENCHMARKS.md). The raylets read the period from the environment; a user's
+    benchmarks/HISTORY.md). The raylets read the period from the environment; a user's
     value wins.
     """
     if opts.free_period_ms > 0 and not ray.is_initialized() and not opts.address:

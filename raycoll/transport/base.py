@@ -17,7 +17,7 @@ coordinator's error; see ``Coordinator.transport_check``). A collective that run
 goes on computing (``async_op=True``, on the group's worker thread, until someone waits for
 its ``Work``: see :func:`overlapping`) never spins or yields-polls: it sleeps between polls,
 leaving the core to the caller (measured with torch's DDP, whose bucket all_reduces overlap
-the backward pass: benchmarks/BENCHMARKS.md). A transport implements four hooks:
+the backward pass: benchmarks/HISTORY.md). A transport implements four hooks:
 
 - ``_write(message, spin)``: hand this rank's message for the round over; ``True`` once
   all of it went (called again with the same message until then);

@@ -2,7 +2,7 @@
 the coordinator.
 
 A collective through the coordinator costs at least one Ray actor call per rank and an async
-actor waking up for every arrival (several actor round trips: benchmarks/BENCHMARKS.md).
+actor waking up for every arrival (several actor round trips: benchmarks/HISTORY.md).
 When all ranks of a group are actors on one node,
 each rank instead owns one Ray shared-memory channel (``ray.experimental.channel.Channel``,
 the mutable plasma objects that Ray's compiled graphs use), written by it and read by every
@@ -107,14 +107,14 @@ _TIMEOUT = ray.exceptions.RayChannelTimeoutError
 #: A message whose arrays hold at most this many bytes is written as one frame of bytes (the
 #: direct transport's framing, raycoll.transport.frames): Ray's serializer costs 70-100 us
 #: of Python per message, several times the frame's two extra copies up to here (measured:
-#: benchmarks/BENCHMARKS.md, "Frames on the lane"; a 256 KiB broadcast is faster through
+#: benchmarks/HISTORY.md, "Frames on the lane"; a 256 KiB broadcast is faster through
 #: Ray's serializer). Larger ones go through Ray's serializer, whose arrays peers read in
 #: place in the writer's channel.
 FRAME_MAX_BYTES = 192 << 10
 #: ... and the rest of such a message (its pickled structure) at most this many bytes: a
 #: message is framed or not from its arrays' bytes alone, so that one whose arrays are just
 #: ``FRAME_MAX_BYTES`` is not encoded, found a few bytes too large and thrown away (that
-#: cost the 64 KiB all_reduce 20-30 us: benchmarks/BENCHMARKS.md, "Frames on the lane").
+#: cost the 64 KiB all_reduce 20-30 us: benchmarks/HISTORY.md, "Frames on the lane").
 FRAME_META_MAX_BYTES = 64 << 10
 
 #: The most one rank sends in one round of a collective on a round transport (group option

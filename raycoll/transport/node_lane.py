@@ -9,7 +9,7 @@ copy into shared memory; readers reduce straight out of it, as the one-node lane
 where a node holds 2 to ``lane_max_ranks`` ranks of the group, all of them actors (and, unless
 the group option ``node_lanes`` is ``True``, the group's ranks on that machine fit its cores:
 crowded ranks wait on a lane by polling, on a socket in the kernel, and measured no faster on
-a lane: benchmarks/BENCHMARKS.md, "Node lanes"), the group's
+a lane: benchmarks/HISTORY.md, "Node lanes"), the group's
 first collective on direct connections also sets up one lane a node (its ranks' channels
 exchanged through the coordinator, as the one-node lane is set up: one extra step, once per
 group; a node where any rank cannot open its channel keeps its Unix sockets). The scheduled
@@ -85,7 +85,7 @@ def wants_node_lane(ctx: "GroupContext") -> bool:
     its node holds 2 to ``lane_max_ranks`` of the group's ranks, this process is the rank's
     actor, and, unless the option ``node_lanes`` is ``True``, the group's ranks on this
     machine fit its cores (crowded ranks wait on a lane by polling: slower than on sockets,
-    benchmarks/BENCHMARKS.md)."""
+    benchmarks/HISTORY.md)."""
     if not 2 <= len(node_mates(ctx)) + 1 <= lane_max_ranks(ctx):
         return False
     if ctx.options.node_lanes is not True and oversubscribed(host_ranks(ctx)):

@@ -3,7 +3,7 @@
 Ray stays the launcher, the discovery service and the failure detector; the bytes go
 straight between the ranks' processes, as gloo's and NCCL's do: a socket has a far shorter
 round trip and more bandwidth across nodes than a compiled-graph channel or a cross-node
-``ray.get`` (the figures are in benchmarks/BENCHMARKS.md).
+``ray.get`` (the figures are in benchmarks/HISTORY.md).
 
 - **Addresses.** Every process that joins a group listens on one TCP port (one listening
   socket per process, shared by all its groups) and reports it at rendezvous. It listens on
