@@ -387,14 +387,21 @@ static PyObject *seg_close(SegmentObject *self, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* Parses (rank, parity) for a call on an open segment; 0 with an exception set if the
+ * segment is closed or the rank is out of [0, nranks). */
+static int seg_rank_parity(SegmentObject *self, PyObject *args, int *rank, int *parity) {
+    if (!PyArg_ParseTuple(args, "ii", rank, parity)) return 0;
+    if (!seg_open(self)) return 0;
+    if (*rank < 0 || *rank >= self->seg.nranks) {
+        PyErr_Format(PyExc_IndexError, "rank %d out of range [0, %d)", *rank, self->seg.nranks);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *seg_info(SegmentObject *self, PyObject *args) {
     int rank, parity;
-    if (!PyArg_ParseTuple(args, "ii", &rank, &parity)) return NULL;
-    if (!seg_open(self)) return NULL;
-    if (rank < 0 || rank >= self->seg.nranks) {
-        PyErr_Format(PyExc_IndexError, "rank %d out of range [0, %d)", rank, self->seg.nranks);
-        return NULL;
-    }
+    if (!seg_rank_parity(self, args, &rank, &parity)) return NULL;
     const rc_ctl *c = &self->seg.ctl[rank];
     const rc_step_info *info = &c->info[parity & 1];
     uint32_t fp_len = info->fp_len > RC_FP_BYTES ? RC_FP_BYTES : info->fp_len;
@@ -417,12 +424,7 @@ static PyObject *seg_probe_cma(SegmentObject *self, PyObject *noargs) {
 
 static PyObject *seg_half_offset(SegmentObject *self, PyObject *args) {
     int rank, parity;
-    if (!PyArg_ParseTuple(args, "ii", &rank, &parity)) return NULL;
-    if (!seg_open(self)) return NULL;
-    if (rank < 0 || rank >= self->seg.nranks) {
-        PyErr_Format(PyExc_IndexError, "rank %d out of range [0, %d)", rank, self->seg.nranks);
-        return NULL;
-    }
+    if (!seg_rank_parity(self, args, &rank, &parity)) return NULL;
     return PyLong_FromSize_t((size_t)(rc_seg_half(&self->seg, rank, parity) - self->seg.base));
 }
 
