@@ -91,7 +91,7 @@ def script(rank: int, lib: str, world_size: int, group: str, kinds: Sequence[str
             col.recv(p, 0, group)
         out[kind] = {"allreduce": got(x), "min": got(m), "allgather": [got(t) for t in gathered],
                      "reducescatter": got(out_rs), "broadcast": got(b),
-                     "reduce": got(r) if rank == 0 else None,
+                     "reduce": got(r),
                      "recv": got(p) if rank == last else None}
     col.destroy_collective_group(group)
     out["after"] = (col.is_group_initialized(group), col.get_rank(group))
@@ -107,7 +107,8 @@ def expected(rank: int, world_size: int, kinds: Sequence[str]) -> Dict[str, Any]
             "allgather": [[float(r), 10.0 * r] for r in ranks],
             "reducescatter": [float(sum(r + rank for r in ranks)), float(rank * world_size)],
             "broadcast": [7.0 * last, 1.0],
-            "reduce": [float(np.prod([r + 1 for r in ranks])), 2.0 ** world_size] if rank == 0 else None,
+            "reduce": ([float(np.prod([r + 1 for r in ranks])), 2.0 ** world_size] if rank == 0
+                       else [rank + 1.0, 2.0]),  # the other ranks' tensors left as they were
             "recv": [42.0, 43.0] if rank == last else None}
     out: Dict[str, Any] = {"rank": rank, "size": world_size, "outside": (-1, -1),
                            "after": (False, -1)}
