@@ -216,7 +216,7 @@ def _bad_calls(rank: int, group: str) -> Dict[str, str]:
     attempt("short_list", lambda: col.allgather([np.zeros(1)] * (1 + rank), np.zeros(1), group))
     attempt("bad_root", lambda: col.broadcast(np.zeros(1), 2, group))
     attempt("no_group", lambda: col.allreduce(np.zeros(1), "never-formed"))
-    attempt("two_gpus", lambda: col.allreduce_multigpu([np.zeros(1), np.zeros(1)], group))
+    attempt("two_gpus", lambda: col.allreduce_multigpu([np.zeros(1)] * (2 - rank), group))
     one = np.ones(2)
     attempt("one_gpu", lambda: col.allreduce_multigpu([one], group))
     out["one_gpu_value"] = str(one.tolist())
@@ -234,5 +234,6 @@ def test_bad_input_gives_named_errors_on_every_rank(actors):
                       "no_group": "GroupNotFoundError", "two_gpus": "NotImplementedError",
                       "one_gpu": "ok", "one_gpu_value": "[2.0, 2.0]", "twice": "ValueError",
                       "register": "NotImplementedError"}
-    assert got[1] == dict(got[0], read_only="PeerArgumentError", short_list="PeerArgumentError")
+    assert got[1] == dict(got[0], read_only="PeerArgumentError", short_list="PeerArgumentError",
+                          two_gpus="PeerArgumentError")
     assert issubclass(raycoll.GroupNotFoundError, RuntimeError)  # what Ray raises there

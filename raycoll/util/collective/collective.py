@@ -14,13 +14,15 @@ to write into a read-only array. Ranks passed here are group ranks (``dst_rank``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import raycoll
 from raycoll import errors
 from raycoll.backends import backend_config
+from raycoll.context import Call
 from raycoll.groups import join_named_group
 from raycoll.launch import DRIVER_GROUPS
 from raycoll.process_group import ProcessGroup
@@ -306,42 +308,63 @@ def _first(tensor: Any, n_elements: int, fn: str) -> Any:
     return flat[:n_elements]
 
 
+@contextlib.contextmanager
+def _refused(group_name: str, op: str) -> Iterator[None]:
+    """Arguments this module refuses before calling the collective ``op``: the peers, which
+    called ``op``, are told (they raise ``PeerArgumentError``) instead of waiting for it."""
+    try:
+        yield
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        pg = _group(group_name) if isinstance(group_name, str) else None
+        if pg is not None:
+            pg.reject(Call(op, pg.take_seq(), pg.timeout_s, {"op": op}), exc)
+        raise
+
+
 def allreduce_multigpu(tensor_list: list, group_name: str = "default",
                        op: Any = types.ReduceOp.SUM) -> None:
     """:func:`allreduce` of the one tensor in ``tensor_list`` (one GPU per rank)."""
-    allreduce(_one(tensor_list, "tensor_list", "allreduce_multigpu", "allreduce"), group_name, op)
+    with _refused(group_name, "all_reduce"):
+        tensor = _one(tensor_list, "tensor_list", "allreduce_multigpu", "allreduce")
+    allreduce(tensor, group_name, op)
 
 
 def reduce_multigpu(tensor_list: list, dst_rank: int = 0, dst_tensor: int = 0,
                     group_name: str = "default", op: Any = types.ReduceOp.SUM) -> None:
     """:func:`reduce` of the one tensor in ``tensor_list`` (``dst_tensor`` must be 0)."""
-    _index(dst_tensor, "dst_tensor", "reduce_multigpu")
-    reduce(_one(tensor_list, "tensor_list", "reduce_multigpu", "reduce"), dst_rank, group_name, op)
+    with _refused(group_name, "reduce"):
+        _index(dst_tensor, "dst_tensor", "reduce_multigpu")
+        tensor = _one(tensor_list, "tensor_list", "reduce_multigpu", "reduce")
+    reduce(tensor, dst_rank, group_name, op)
 
 
 def broadcast_multigpu(tensor_list: list, src_rank: int = 0, src_tensor: int = 0,
                        group_name: str = "default") -> None:
     """:func:`broadcast` of the one tensor in ``tensor_list`` (``src_tensor`` must be 0)."""
-    _index(src_tensor, "src_tensor", "broadcast_multigpu")
-    broadcast(_one(tensor_list, "tensor_list", "broadcast_multigpu", "broadcast"), src_rank,
-              group_name)
+    with _refused(group_name, "broadcast"):
+        _index(src_tensor, "src_tensor", "broadcast_multigpu")
+        tensor = _one(tensor_list, "tensor_list", "broadcast_multigpu", "broadcast")
+    broadcast(tensor, src_rank, group_name)
 
 
 def allgather_multigpu(output_tensor_lists: list, input_tensor_list: list,
                        group_name: str = "default") -> None:
     """:func:`allgather` of the one input tensor into the one output list."""
     fn = "allgather_multigpu"
-    allgather(list(_one(output_tensor_lists, "output_tensor_lists", fn, "allgather")),
-              _one(input_tensor_list, "input_tensor_list", fn, "allgather"), group_name)
+    with _refused(group_name, "all_gather"):
+        outputs = list(_one(output_tensor_lists, "output_tensor_lists", fn, "allgather"))
+        tensor = _one(input_tensor_list, "input_tensor_list", fn, "allgather")
+    allgather(outputs, tensor, group_name)
 
 
 def reducescatter_multigpu(output_tensor_list: list, input_tensor_lists: list,
                            group_name: str = "default", op: Any = types.ReduceOp.SUM) -> None:
     """:func:`reducescatter` of the one input list into the one output tensor."""
     fn = "reducescatter_multigpu"
-    reducescatter(_one(output_tensor_list, "output_tensor_list", fn, "reducescatter"),
-                  list(_one(input_tensor_lists, "input_tensor_lists", fn, "reducescatter")),
-                  group_name, op)
+    with _refused(group_name, "reduce_scatter"):
+        output = _one(output_tensor_list, "output_tensor_list", fn, "reducescatter")
+        inputs = list(_one(input_tensor_lists, "input_tensor_lists", fn, "reducescatter"))
+    reducescatter(output, inputs, group_name, op)
 
 
 def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",
