@@ -225,8 +225,21 @@ def synchronize(gpu_id: int) -> None:
 
 
 # ---------------------------------------------------------------------- collectives
+_OPS: Dict[Any, raycoll.ReduceOp] = {
+    member: getattr(raycoll.ReduceOp, member.name) for member in types.ReduceOp}
+_OPS.update({op: op for op in (raycoll.ReduceOp.SUM, raycoll.ReduceOp.PRODUCT,
+                                raycoll.ReduceOp.MIN, raycoll.ReduceOp.MAX, raycoll.ReduceOp.AVG,
+                                raycoll.ReduceOp.BAND, raycoll.ReduceOp.BOR,
+                                raycoll.ReduceOp.BXOR)})
+
+
 def _op(op: Any) -> raycoll.ReduceOp:
-    return as_reduce_op(op)  # Ray's and this module's ReduceOp enums too, by member name
+    """raycoll's ReduceOp for this module's (a lookup: the hot path), raycoll's own, Ray's
+    enum or any other spelling ``raycoll.all_reduce`` takes (by member name)."""
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
+        return as_reduce_op(op)
 
 
 def allreduce(tensor: Any, group_name: str = "default", op: Any = types.ReduceOp.SUM) -> None:
