@@ -163,7 +163,7 @@ def _two_groups(rank: int, first: str) -> Dict[str, Any]:
     Ray's "default", formed here; collectives on both (raycoll's ReduceOp taken too); one
     destroyed."""
     mine = col.get_rank(first)
-    col.init_collective_group(3, rank, backend="gloo", group_name="default")
+    col.init_collective_group(3, rank)  # Ray's defaults: NCCL's group, which takes CPU arrays too
     x = np.full(2, float(mine))
     col.allreduce(x, first, op=raycoll.ReduceOp.MAX)
     y = np.full(2, float(rank))
@@ -223,6 +223,11 @@ def _bad_calls(rank: int, group: str) -> Dict[str, str]:
     attempt("twice", lambda: col.init_collective_group(2, rank, backend="gloo", group_name=group))
     attempt("register", lambda: col.register_collective_backend("mine", object))
     col.destroy_collective_group(group)
+    col.init_collective_group(2, rank, backend="gloo", group_name=group)  # the name again
+    again = np.ones(1)
+    col.allreduce(again, group)
+    out["again"] = str(again.tolist())
+    col.destroy_collective_group(group)
     return out
 
 
@@ -233,7 +238,7 @@ def test_bad_input_gives_named_errors_on_every_rank(actors):
                       "short_list": "TensorSizeError", "bad_root": "ValueError",
                       "no_group": "GroupNotFoundError", "two_gpus": "NotImplementedError",
                       "one_gpu": "ok", "one_gpu_value": "[2.0, 2.0]", "twice": "ValueError",
-                      "register": "NotImplementedError"}
+                      "register": "NotImplementedError", "again": "[2.0]"}
     assert got[1] == dict(got[0], read_only="PeerArgumentError", short_list="PeerArgumentError",
                           two_gpus="PeerArgumentError")
     assert issubclass(raycoll.GroupNotFoundError, RuntimeError)  # what Ray raises there
