@@ -119,20 +119,32 @@ def init_process_group(
         if group_name in w.groups:
             raise ValueError(f"group {group_name!r} is already initialized in this process; "
                              "destroy_process_group() it first")
+    return join_named_group(group_name, size, me, backend, seconds)
+
+
+def join_named_group(group_name: str, size: int, rank: int, backend: Optional[str],
+                     seconds: float, make_default: Optional[bool] = None) -> ProcessGroup:
+    """Rendezvous by name as ``rank`` of ``size`` in root group ``group_name`` (its coordinator
+    started by the first rank to arrive), with arguments already checked. The group becomes
+    this process's default group if it has none (``make_default=None``). What
+    :func:`init_process_group` and :func:`raycoll.util.collective.init_collective_group` do
+    once they have checked their arguments."""
+    w = world()
     if not ray.is_initialized():
         from raycoll.launch import start_ray
 
         start_ray()
     job = ray.get_runtime_context().get_job_id()
-    with w.lock:
-        make_default = w.default is None
+    if make_default is None:
+        with w.lock:
+            make_default = w.default is None
     attempts = _RENDEZVOUS_ATTEMPTS
     while True:
         handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
                                    get_if_exists=True)
         spec = GroupSpec(group_name, size, backend, seconds, handle, by_name=True)
         try:
-            return join_root_group(spec, me, make_default=make_default)
+            return join_root_group(spec, rank, make_default=make_default)
         except errors.CoordinatorDiedError:
             # The previous generation's last rank stopped this coordinator as we arrived:
             # nothing was joined yet, so rendezvous again with a fresh one.
