@@ -1,0 +1,188 @@
+"""A Ray Compiled Graph's allreduce step: raycoll's communicator vs Ray's CPUCommunicator.
+
+    python benchmarks/compiled_graph.py [--sizes 4,1M,64M] [--repeats 3] [--iters 300,50,5]
+
+One driver, one local Ray (4 logical CPUs), two zero-CPU actors on this node. Each actor
+holds a float32 tensor of each size, made once; a graph step is ``make(n)`` on both actors
+(returns the held tensor), a ``ray.experimental.collective.allreduce`` node (SUM) with
+``transport=`` the communicator, and ``first(t)`` (the result's first element, so that the
+driver reads 4 bytes whatever the size). ``execute(n)`` then ``ray.get`` is one step.
+
+Three figures per size and communicator, each the median over the timed steps:
+
+- ``step``: the whole step as the driver sees it (``execute`` -> ``ray.get``);
+- ``allreduce share``: ``step`` minus the step of the same graph without the allreduce node
+  (``make`` -> ``first``, timed in the same repeat): what the allreduce node adds;
+- ``in the actor``: the communicator's ``allreduce`` call timed inside the actors, of the
+  rank that came to it last each step (the faster of the two calls: the other one also
+  waited for its peer to arrive, which the graph's scheduling sets, not the communicator).
+
+``raycoll`` is :class:`raycoll.compiled.RaycollCommunicator`; ``cpu`` is Ray 2.60's
+``CPUCommunicator`` (every collective goes through an async barrier actor: each rank sends
+its tensor there with ``ray.get``). The graphs are compiled in turn (the first alternating per
+repeat) on the same actors; ``--warmup`` untimed steps precede each size. Ratios are cpu /
+raycoll per repeat, then their median: above 1, raycoll took less time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Tuple
+
+import ray
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B") or "0"
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def _label(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+class Member:
+    """A graph's actor: holds one tensor per size; records its communicator's call times."""
+
+    def __init__(self, rank: int, sizes: List[int]) -> None:
+        import torch
+
+        self.held = {n: torch.full((n // 4,), float(rank + 1)) for n in sizes}
+
+    def make(self, nbytes: int) -> Any:
+        return self.held[nbytes]
+
+    def first(self, t: Any) -> Any:
+        return t[:1].clone()
+
+
+def _timed(cls: Any) -> Any:
+    """``cls`` with its ``allreduce`` timed into ``self.times`` (nbytes, seconds)."""
+
+    class Timed(cls):  # type: ignore[misc, valid-type]
+        def allreduce(self, send_buf: Any, recv_buf: Any, op: Any = None) -> None:
+            start = time.perf_counter()
+            if op is None:
+                super().allreduce(send_buf, recv_buf)
+            else:
+                super().allreduce(send_buf, recv_buf, op)
+            self.__dict__.setdefault("times", []).append(
+                (send_buf.numel() * 4, time.perf_counter() - start))
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
+    return Timed
+
+
+def _take_times(actor_self: Any) -> List[Tuple[int, float]]:
+    from ray.experimental.channel import ChannelContext
+
+    out: List[Tuple[int, float]] = []
+    for comm in ChannelContext.get_current().communicators.values():
+        out += comm.__dict__.pop("times", [])
+    return out
+
+
+def _graph(actors: List[Any], comm: Any) -> Any:
+    import ray.experimental.collective as rcol
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as inp:
+        xs = [a.make.bind(inp) for a in actors]
+        if comm is not None:
+            xs = rcol.allreduce.bind(xs, transport=comm)
+        return MultiOutputNode([a.first.bind(x) for a, x in zip(actors, xs)]).experimental_compile()
+
+
+def _steps(graph: Any, nbytes: int, iters: int, warmup: int, expect: float) -> List[float]:
+    for _ in range(warmup):
+        got = ray.get(graph.execute(nbytes), timeout=600)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        got = ray.get(graph.execute(nbytes), timeout=600)
+        times.append(time.perf_counter() - start)
+    if float(got[0][0]) != expect:
+        raise SystemExit(f"wrong result at {nbytes} B: {float(got[0][0])} != {expect}")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="4,1M,64M")
+    parser.add_argument("--iters", default="300,50,5", help="timed steps per size")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    iters = [int(i) for i in args.iters.split(",")]
+    iters += [iters[-1]] * (len(sizes) - len(iters))
+
+    from ray.experimental.channel.cpu_communicator import CPUCommunicator
+
+    from raycoll.compiled import RaycollCommunicator
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    print(f"# python {' '.join(sys.argv)}   ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{os.cpu_count()} cores; load before: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+    actors = [ray.remote(num_cpus=0)(Member).remote(r, sizes) for r in range(2)]
+    kinds = {"raycoll": lambda: _timed(RaycollCommunicator)(actors),
+             "cpu": lambda: _timed(CPUCommunicator)(2, actors)}
+    # per (kind, size): per repeat (step median, share median, in-actor median)
+    results: Dict[Tuple[str, int], List[Tuple[float, float, float]]] = {}
+    for repeat in range(args.repeats):
+        base = _graph(actors, None)
+        base_med = {n: statistics.median(_steps(base, n, it, args.warmup, 1.0))
+                    for n, it in zip(sizes, iters)}
+        base.teardown()
+        order = list(kinds) if repeat % 2 == 0 else list(reversed(kinds))
+        for kind in order:
+            comm = kinds[kind]()
+            graph = _graph(actors, comm)
+            steps = {n: statistics.median(_steps(graph, n, it, args.warmup, 3.0))
+                     for n, it in zip(sizes, iters)}
+            graph.teardown()
+            per_rank = ray.get([a.__ray_call__.remote(_take_times) for a in actors])
+            if kind == "raycoll":
+                comm.destroy()
+            else:
+                comm.destroy()  # CPUCommunicator.destroy kills its barrier actors
+            for n, it in zip(sizes, iters):
+                ranks = [[t for b, t in times if b == n][-it:] for times in per_rank]
+                last = [min(pair) for pair in zip(*ranks)]
+                inner = statistics.median(last)
+                results.setdefault((kind, n), []).append((steps[n], steps[n] - base_med[n], inner))
+                print(f"repeat {repeat} {kind:8s} {_label(n):>7s}  step {steps[n] * 1e6:10.0f} us"
+                      f"  share {(steps[n] - base_med[n]) * 1e6:10.0f} us  in the actor "
+                      f"{inner * 1e6:10.0f} us  (no-collective step {base_med[n] * 1e6:.0f} us)",
+                      flush=True)
+    print()
+    print("A compiled graph's allreduce step, 2 actors on one node, float32 SUM; medians over "
+          f"{args.repeats} repeats (us); ratio = cpu / raycoll, median of the per-repeat ratios")
+    header = ("size", "step raycoll", "step cpu", "ratio", "share raycoll", "share cpu",
+              "ratio", "in actor raycoll", "in actor cpu", "ratio")
+    print("  ".join(f"{h:>16s}" if i else f"{h:>8s}" for i, h in enumerate(header)))
+    for n in sizes:
+        r, c = results[("raycoll", n)], results[("cpu", n)]
+        row = [_label(n)]
+        for k in range(3):
+            ratios = [cc[k] / rr[k] if rr[k] > 0 else float("nan") for rr, cc in zip(r, c)]
+            row += [f"{statistics.median(x[k] for x in r) * 1e6:.0f}",
+                    f"{statistics.median(x[k] for x in c) * 1e6:.0f}",
+                    f"{statistics.median(ratios):.1f}x"]
+        print("  ".join(f"{v:>16s}" if i else f"{v:>8s}" for i, v in enumerate(row)))
+    print(f"# load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for a in actors:
+        ray.kill(a)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
