@@ -198,6 +198,13 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
             raise errors.GroupDestroyedError(
                 f"{self!r} was destroyed: make a new RaycollCommunicator for the next graph")
         self._pg = join_root_group(self._spec, rank, make_default=False)
+        if self._device == "cuda":
+            # NCCL's communicator forms at a group's first GPU call, which every rank must
+            # make: make it now, while Ray initializes every rank at once, rather than at a
+            # p2p edge that only two of the ranks take
+            from raycoll.collectives import all_reduce
+
+            all_reduce(torch.zeros(1, device="cuda"), group=self._pg)
 
     def get_actor_handles(self) -> List[ActorHandle]:
         """The actors, in rank order. In the driver, after :meth:`destroy`:
@@ -268,6 +275,8 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
         else:
             buf = self._torch.empty(shape, dtype=dtype, device=self._device)
         recv(buf, peer_rank, group=pg)
+        if self._device == "cuda":  # Ray reads the buffer from any stream once this returns
+            self._torch.cuda.current_stream().synchronize()
         return buf
 
     def allreduce(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor",
