@@ -2,26 +2,30 @@
 
     python benchmarks/compiled_graph.py [--sizes 4,1M,64M] [--repeats 3] [--iters 300,50,5]
 
-One driver, one local Ray (4 logical CPUs), two zero-CPU actors on this node. Each actor
-holds a float32 tensor of each size, made once; a graph step is ``make(n)`` on both actors
-(returns the held tensor), a ``ray.experimental.collective.allreduce`` node (SUM) with
-``transport=`` the communicator, and ``first(t)`` (the result's first element, so that the
-driver reads 4 bytes whatever the size). ``execute(n)`` then ``ray.get`` is one step.
+One driver, one local Ray (4 logical CPUs), three pairs of zero-CPU actors on this node, one
+graph compiled on each pair, all three live at once. Each actor holds a float32 tensor of
+each size, made once; a graph step is ``make(n)`` on both actors (returns the held tensor),
+a ``ray.experimental.collective.allreduce`` node (SUM) with ``transport=`` the
+communicator, and ``first(t)`` (the result's first element, so that the driver reads 4
+bytes whatever the size). ``execute(n)`` then ``ray.get`` is one step. The three graphs:
 
-Three figures per size and communicator, each the median over the timed steps:
+- ``raycoll``: :class:`raycoll.compiled.RaycollCommunicator`;
+- ``cpu``: Ray 2.60's ``CPUCommunicator`` (every collective goes through an async barrier
+  actor: each rank sends its tensor there and ``ray.get``s the result);
+- ``none``: the same graph without the allreduce node (``make`` -> ``first``).
+
+For each size, ``--repeats`` rounds; in each round every graph runs ``--warmup`` untimed
+then ``--iters`` timed steps, the graphs in turn (the first rotating per round), so the
+three see the same machine state. Per round and graph, the medians of:
 
 - ``step``: the whole step as the driver sees it (``execute`` -> ``ray.get``);
-- ``allreduce share``: ``step`` minus the step of the same graph without the allreduce node
-  (``make`` -> ``first``, timed in the same repeat): what the allreduce node adds;
+- ``allreduce share``: ``step`` minus the ``none`` graph's step of the same round: what the
+  allreduce node adds to a step;
 - ``in the actor``: the communicator's ``allreduce`` call timed inside the actors, of the
   rank that came to it last each step (the faster of the two calls: the other one also
   waited for its peer to arrive, which the graph's scheduling sets, not the communicator).
 
-``raycoll`` is :class:`raycoll.compiled.RaycollCommunicator`; ``cpu`` is Ray 2.60's
-``CPUCommunicator`` (every collective goes through an async barrier actor: each rank sends
-its tensor there with ``ray.get``). The graphs are compiled in turn (the first alternating per
-repeat) on the same actors; ``--warmup`` untimed steps precede each size. Ratios are cpu /
-raycoll per repeat, then their median: above 1, raycoll took less time.
+Ratios are cpu / raycoll per round, then their median: above 1, raycoll took less time.
 """
 
 from __future__ import annotations
@@ -117,9 +121,9 @@ def _steps(graph: Any, nbytes: int, iters: int, warmup: int, expect: float) -> L
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="4,1M,64M")
-    parser.add_argument("--iters", default="300,50,5", help="timed steps per size")
+    parser.add_argument("--iters", default="200,30,4", help="timed steps per size and round")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per size")
     args = parser.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
     iters = [int(i) for i in args.iters.split(",")]
@@ -132,55 +136,58 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     print(f"# python {' '.join(sys.argv)}   ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{os.cpu_count()} cores; load before: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
-    actors = [ray.remote(num_cpus=0)(Member).remote(r, sizes) for r in range(2)]
-    kinds = {"raycoll": lambda: _timed(RaycollCommunicator)(actors),
-             "cpu": lambda: _timed(CPUCommunicator)(2, actors)}
-    # per (kind, size): per repeat (step median, share median, in-actor median)
-    results: Dict[Tuple[str, int], List[Tuple[float, float, float]]] = {}
-    for repeat in range(args.repeats):
-        base = _graph(actors, None)
-        base_med = {n: statistics.median(_steps(base, n, it, args.warmup, 1.0))
-                    for n, it in zip(sizes, iters)}
-        base.teardown()
-        order = list(kinds) if repeat % 2 == 0 else list(reversed(kinds))
-        for kind in order:
-            comm = kinds[kind]()
-            graph = _graph(actors, comm)
-            steps = {n: statistics.median(_steps(graph, n, it, args.warmup, 3.0))
-                     for n, it in zip(sizes, iters)}
-            graph.teardown()
-            per_rank = ray.get([a.__ray_call__.remote(_take_times) for a in actors])
-            if kind == "raycoll":
-                comm.destroy()
-            else:
-                comm.destroy()  # CPUCommunicator.destroy kills its barrier actors
-            for n, it in zip(sizes, iters):
-                ranks = [[t for b, t in times if b == n][-it:] for times in per_rank]
-                last = [min(pair) for pair in zip(*ranks)]
-                inner = statistics.median(last)
-                results.setdefault((kind, n), []).append((steps[n], steps[n] - base_med[n], inner))
-                print(f"repeat {repeat} {kind:8s} {_label(n):>7s}  step {steps[n] * 1e6:10.0f} us"
-                      f"  share {(steps[n] - base_med[n]) * 1e6:10.0f} us  in the actor "
-                      f"{inner * 1e6:10.0f} us  (no-collective step {base_med[n] * 1e6:.0f} us)",
-                      flush=True)
+    pairs = {kind: [ray.remote(num_cpus=0)(Member).remote(r, sizes) for r in range(2)]
+             for kind in ("raycoll", "cpu", "none")}
+    comms = {"raycoll": _timed(RaycollCommunicator)(pairs["raycoll"]),
+             "cpu": _timed(CPUCommunicator)(2, pairs["cpu"]), "none": None}
+    graphs = {kind: _graph(pairs[kind], comms[kind]) for kind in pairs}
+    expect = {"raycoll": 3.0, "cpu": 3.0, "none": 1.0}
+    kinds = list(graphs)
+    # per (kind, size): per round (step median, in-actor median)
+    results: Dict[Tuple[str, int], List[Tuple[float, float]]] = {}
+    for n, it in zip(sizes, iters):
+        for rnd in range(args.repeats):
+            order = kinds[rnd % 3:] + kinds[:rnd % 3]
+            for kind in order:
+                step = statistics.median(_steps(graphs[kind], n, it, args.warmup, expect[kind]))
+                inner = float("nan")
+                if comms[kind] is not None:
+                    per_rank = ray.get([a.__ray_call__.remote(_take_times) for a in pairs[kind]])
+                    ranks = [[t for b, t in times if b == n][-it:] for times in per_rank]
+                    inner = statistics.median(min(pair) for pair in zip(*ranks))
+                results.setdefault((kind, n), []).append((step, inner))
+            line = "  ".join(f"{k} {results[(k, n)][-1][0] * 1e6:8.0f} us" for k in kinds)
+            print(f"{_label(n):>7s} round {rnd}  step: {line}  in the actor: raycoll "
+                  f"{results[('raycoll', n)][-1][1] * 1e6:.0f} us, cpu "
+                  f"{results[('cpu', n)][-1][1] * 1e6:.0f} us  (load {os.getloadavg()[0]:.1f})",
+                  flush=True)
+    for graph in graphs.values():
+        graph.teardown()
+    comms["raycoll"].destroy()
+    comms["cpu"].destroy()  # kills its barrier actor
     print()
     print("A compiled graph's allreduce step, 2 actors on one node, float32 SUM; medians over "
-          f"{args.repeats} repeats (us); ratio = cpu / raycoll, median of the per-repeat ratios")
-    header = ("size", "step raycoll", "step cpu", "ratio", "share raycoll", "share cpu",
-              "ratio", "in actor raycoll", "in actor cpu", "ratio")
+          f"{args.repeats} rounds (us); ratio = cpu / raycoll, the median of the per-round ratios")
+    header = ("size", "step raycoll", "step cpu", "ratio", "step none", "share raycoll",
+              "share cpu", "ratio", "in actor raycoll", "in actor cpu", "ratio")
     print("  ".join(f"{h:>16s}" if i else f"{h:>8s}" for i, h in enumerate(header)))
     for n in sizes:
-        r, c = results[("raycoll", n)], results[("cpu", n)]
-        row = [_label(n)]
-        for k in range(3):
-            ratios = [cc[k] / rr[k] if rr[k] > 0 else float("nan") for rr, cc in zip(r, c)]
-            row += [f"{statistics.median(x[k] for x in r) * 1e6:.0f}",
-                    f"{statistics.median(x[k] for x in c) * 1e6:.0f}",
-                    f"{statistics.median(ratios):.1f}x"]
+        r, c, z = results[("raycoll", n)], results[("cpu", n)], results[("none", n)]
+        med = statistics.median
+        share_r = [rr[0] - zz[0] for rr, zz in zip(r, z)]
+        share_c = [cc[0] - zz[0] for cc, zz in zip(c, z)]
+        row = [_label(n), f"{med(x[0] for x in r) * 1e6:.0f}", f"{med(x[0] for x in c) * 1e6:.0f}",
+               f"{med(cc[0] / rr[0] for rr, cc in zip(r, c)):.1f}x",
+               f"{med(x[0] for x in z) * 1e6:.0f}",
+               f"{med(share_r) * 1e6:.0f}", f"{med(share_c) * 1e6:.0f}",
+               f"{med(sc / sr for sr, sc in zip(share_r, share_c) if sr > 0) if any(sr > 0 for sr in share_r) else float('nan'):.1f}x",
+               f"{med(x[1] for x in r) * 1e6:.0f}", f"{med(x[1] for x in c) * 1e6:.0f}",
+               f"{med(cc[1] / rr[1] for rr, cc in zip(r, c)):.1f}x"]
         print("  ".join(f"{v:>16s}" if i else f"{v:>8s}" for i, v in enumerate(row)))
     print(f"# load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for a in actors:
-        ray.kill(a)
+    for pair in pairs.values():
+        for a in pair:
+            ray.kill(a)
     ray.shutdown()
 
 

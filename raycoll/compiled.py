@@ -89,6 +89,13 @@ DEFAULT_TIMEOUT_S = 120.0
 
 _DEVICES = ("cpu", "cuda")
 
+#: From this many bytes an out-of-place CPU allreduce (Ray's collective node hands a new
+#: output tensor) runs as a reduce-scatter into the rank's chunk of the output and an
+#: all-gather in place, rather than a copy of the input into the output and an all_reduce
+#: in place: the same bytes cross between the ranks, without the copy (two calls instead of
+#: one: slower below a few MiB; benchmarks/BENCHMARKS.md, "Compiled Graphs").
+SPLIT_BYTES = 4 << 20
+
 
 def _seconds(timeout: Union[None, float, int, timedelta]) -> float:
     if timeout is None:
@@ -287,12 +294,31 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
         pg = self._group("allreduce")
         rop = _reduce_op(op)
         if recv_buf.data_ptr() != send_buf.data_ptr():
+            if self._split(send_buf, recv_buf):
+                # large: reduce-scatter out of send_buf into this rank's chunk of recv_buf,
+                # then all-gather the chunks in place: no copy of send_buf first
+                from raycoll.collectives import all_gather_into_tensor, reduce_scatter_tensor
+
+                flat = recv_buf.view(-1)
+                chunk = flat.numel() // self._world_size
+                me = int(pg.rank())
+                mine = flat[me * chunk:(me + 1) * chunk]
+                reduce_scatter_tensor(mine, send_buf.view(-1), rop, group=pg)
+                all_gather_into_tensor(flat, mine, group=pg)
+                return
             recv_buf.copy_(send_buf)
         if self._device == "cpu" and recv_buf.is_contiguous():
             # a numpy view takes raycoll's short path (the node segment, no argument layer)
             all_reduce(recv_buf.numpy(), rop, group=pg)
         else:
             all_reduce(recv_buf, rop, group=pg)
+
+    def _split(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor") -> bool:
+        """Whether an out-of-place allreduce runs as reduce-scatter + all-gather."""
+        return (self._device == "cpu" and send_buf.numel() * send_buf.element_size() >= SPLIT_BYTES
+                and send_buf.numel() % self._world_size == 0 and send_buf.is_contiguous()
+                and recv_buf.is_contiguous() and recv_buf.shape == send_buf.shape
+                and recv_buf.dtype == send_buf.dtype)
 
     def allgather(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor") -> None:
         """``recv_buf`` = every rank's ``send_buf``, concatenated in rank order."""

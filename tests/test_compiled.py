@@ -84,7 +84,7 @@ def test_collective_nodes_match_torch(members):
     graph = dag.experimental_compile()
     try:
         for spec in [((4,), "float32", 0), ((6, 3), "int64", 1), ((1000, 5), "float64", 2),
-                     ((4,), "float32", 3)]:
+                     ((524288, 2), "float32", 3), ((4,), "float32", 4)]:
             inputs = _expected(spec)
             got = ray.get(graph.execute(spec), timeout=60)
             total = inputs[0] + inputs[1]
