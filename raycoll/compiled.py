@@ -43,6 +43,9 @@ import ray
 from ray.actor import ActorHandle
 
 from raycoll import errors
+from raycoll.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from raycoll.p2p import recv, send
+from raycoll.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
     import torch
@@ -209,9 +212,7 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
             # NCCL's communicator forms at a group's first GPU call, which every rank must
             # make: make it now, while Ray initializes every rank at once, rather than at a
             # p2p edge that only two of the ranks take
-            from raycoll.collectives import all_reduce
-
-            all_reduce(torch.zeros(1, device="cuda"), group=self._pg)
+                all_reduce(torch.zeros(1, device="cuda"), group=self._pg)
 
     def get_actor_handles(self) -> List[ActorHandle]:
         """The actors, in rank order. In the driver, after :meth:`destroy`:
@@ -265,8 +266,6 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
 
     def send(self, value: "torch.Tensor", peer_rank: int) -> None:
         """Send ``value`` to ``peer_rank`` (returns once the peer has taken it)."""
-        from raycoll.p2p import send
-
         send(value, peer_rank, group=self._group("send"))
 
     def recv(self, shape: Tuple[int], dtype: "torch.dtype", peer_rank: int,
@@ -274,8 +273,6 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
              ) -> "torch.Tensor":
         """Receive a tensor of ``shape`` and ``dtype`` from ``peer_rank`` into a new buffer
         (from ``allocator`` when given)."""
-        from raycoll.p2p import recv
-
         pg = self._group("recv")
         if allocator is not None:
             buf = allocator(shape, dtype)
@@ -289,16 +286,12 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
     def allreduce(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor",
                   op: Any = None) -> None:
         """``recv_buf`` = ``op`` over every rank's ``send_buf`` (they may be the same tensor)."""
-        from raycoll.collectives import all_reduce
-
         pg = self._group("allreduce")
         rop = _reduce_op(op)
         if recv_buf.data_ptr() != send_buf.data_ptr():
             if self._split(send_buf, recv_buf):
                 # large: reduce-scatter out of send_buf into this rank's chunk of recv_buf,
                 # then all-gather the chunks in place: no copy of send_buf first
-                from raycoll.collectives import all_gather_into_tensor, reduce_scatter_tensor
-
                 flat = recv_buf.view(-1)
                 chunk = flat.numel() // self._world_size
                 me = int(pg.rank())
@@ -322,15 +315,11 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
 
     def allgather(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor") -> None:
         """``recv_buf`` = every rank's ``send_buf``, concatenated in rank order."""
-        from raycoll.collectives import all_gather_into_tensor
-
         all_gather_into_tensor(recv_buf, send_buf, group=self._group("allgather"))
 
     def reducescatter(self, send_buf: "torch.Tensor", recv_buf: "torch.Tensor",
                       op: Any = None) -> None:
         """Rank i's ``recv_buf`` = chunk i of ``op`` over every rank's ``send_buf``."""
-        from raycoll.collectives import reduce_scatter_tensor
-
         reduce_scatter_tensor(recv_buf, send_buf, _reduce_op(op),
                               group=self._group("reducescatter"))
 
@@ -373,15 +362,13 @@ def _leave(actor_self: Any, group_name: str) -> None:
 
 def _reduce_op(op: Any) -> Any:
     """Ray's ``ReduceOp`` (``None``: SUM) as raycoll's; UnsupportedOpError otherwise."""
-    from raycoll.reduce_op import ReduceOp
-
-    if op is None:
-        return ReduceOp.SUM
-    name = getattr(op, "name", None)
-    if isinstance(op, _RayReduceOp) and name in _OPS:
-        return getattr(ReduceOp, _OPS[name])
-    raise errors.UnsupportedOpError(
-        f"op must be one of Ray's ReduceOp {sorted(_OPS)}, got {op!r}")
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise errors.UnsupportedOpError(
+            f"op must be one of Ray's ReduceOp {[o.name for o in _OPS if o is not None]}, "
+            f"got {op!r}") from None
 
 
-_OPS = {"SUM": "SUM", "PRODUCT": "PRODUCT", "MAX": "MAX", "MIN": "MIN", "AVG": "AVG"}
+_OPS = {None: ReduceOp.SUM, **{getattr(_RayReduceOp, name): getattr(ReduceOp, name)
+                               for name in ("SUM", "PRODUCT", "MAX", "MIN", "AVG")}}
