@@ -85,10 +85,12 @@ def _ray_api() -> Tuple[Any, Any]:
 
 _CPUCommunicator, _RayReduceOp = _ray_api()
 
-#: How long each call waits for the other ranks by default (Ray's compiled graphs have no
-#: way to cancel a collective that a rank never joins: a peer's upstream error makes the
-#: others wait, then raise DistTimeoutError naming the missing ranks).
-DEFAULT_TIMEOUT_S = 120.0
+#: What part of Ray's Compiled Graph get timeout (``RAY_CGRAPH_get_timeout``, 10 s by
+#: default) a call waits for the other ranks by default. Ray cannot cancel a collective that
+#: a rank never joins (a rank whose upstream task raised skips it): the others must give up
+#: on their own, before the driver's ``ray.get`` does, so that the step's error is raycoll's
+#: naming the missing ranks and ``teardown()`` finds the actors free.
+DEFAULT_TIMEOUT_FRACTION = 0.8
 
 _DEVICES = ("cpu", "cuda")
 
@@ -102,7 +104,9 @@ SPLIT_BYTES = 4 << 20
 
 def _seconds(timeout: Union[None, float, int, timedelta]) -> float:
     if timeout is None:
-        return DEFAULT_TIMEOUT_S
+        from ray.dag.context import DAGContext
+
+        return max(1.0, DEFAULT_TIMEOUT_FRACTION * float(DAGContext.get_current().get_timeout))
     if isinstance(timeout, timedelta):
         value = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -127,7 +131,9 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
     ``device``: ``"cpu"`` (torch CPU tensors) or ``"cuda"`` (CUDA tensors through raycoll's
     ``nccl`` backend; needs cupy and one GPU per actor). ``timeout``: how long a call waits
     for the other ranks before it raises :class:`~raycoll.errors.DistTimeoutError` (seconds
-    or a ``timedelta``; default 120 s). ``options``: raycoll group options, as in
+    or a ``timedelta``; default: 0.8 x Ray's Compiled Graph get timeout, 8 s with Ray's
+    default ``RAY_CGRAPH_get_timeout=10``, so that a rank that never joins is named before
+    the driver's ``ray.get`` gives up). ``options``: raycoll group options, as in
     :func:`raycoll.create_group`.
 
     It derives from Ray's ``CPUCommunicator`` because Ray 2.60 lets actors without an

@@ -187,6 +187,8 @@ def test_arguments_and_the_ray_version_guard(members, monkeypatch):
     with pytest.raises(UnsupportedOpError, match="Ray's ReduceOp"):
         compiled._reduce_op("SUM")
     comm = compiled.RaycollCommunicator(members)
+    # a call gives up before the driver's ray.get of the step does (Ray's default: 10 s)
+    assert comm._spec.timeout_s == 8.0
     assert [comm.get_rank(m) for m in members] == [0, 1]
     assert comm.get_world_size() == W and comm.get_self_rank() is None
     assert comm.get_transport_name() == "cpu"
