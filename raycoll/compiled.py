@@ -12,8 +12,8 @@ the graph's execution loop calls its ``allreduce`` / ``allgather`` / ``reducesca
 :class:`RaycollCommunicator` maps those calls onto one raycoll group formed over the actors:
 its coordinator is started when the communicator is made (in the driver, which owns it),
 each actor joins in ``initialize(rank)`` (a named group, never the actor's default group),
-and every call runs raycoll's collective (on one node: the node segment, a few microseconds
-for a small all_reduce; across nodes: direct sockets). Ray's only CPU communicator,
+and every call runs raycoll's collective (on one node: the node segment; across nodes:
+direct sockets). Ray's only CPU communicator,
 ``CPUCommunicator``, instead sends every collective's tensors to an async barrier actor.
 
 What Ray 2.60 does with a communicator depends on its transport name:
@@ -24,7 +24,7 @@ What Ray 2.60 does with a communicator depends on its transport name:
   communicator's ``send``/``recv`` (the accelerator channel refuses a CPU device), as it does
   for ``CPUCommunicator``.
 - ``device="cuda"`` (``"accelerator"``): p2p edges and collectives both run over raycoll's
-  ``nccl`` backend (needs cupy and a GPU on every actor).
+  ``nccl`` backend (needs cupy and a GPU on every actor; not yet run on a GPU).
 
 The API is alpha in Ray: this module is pinned to the Ray versions it was tested with
 (:data:`TESTED_RAY_VERSIONS`) and raises :class:`~raycoll.errors.BackendUnavailableError`
