@@ -218,7 +218,7 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
             # NCCL's communicator forms at a group's first GPU call, which every rank must
             # make: make it now, while Ray initializes every rank at once, rather than at a
             # p2p edge that only two of the ranks take
-                all_reduce(torch.zeros(1, device="cuda"), group=self._pg)
+            all_reduce(torch.zeros(1, device="cuda"), group=self._pg)
 
     def get_actor_handles(self) -> List[ActorHandle]:
         """The actors, in rank order. In the driver, after :meth:`destroy`:
