@@ -213,6 +213,16 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
         if self._spec is None:
             raise errors.GroupDestroyedError(
                 f"{self!r} was destroyed: make a new RaycollCommunicator for the next graph")
+        if self._device == "cuda":
+            from raycoll.backends._cuda import nccl_unavailable_reason
+
+            why = nccl_unavailable_reason()
+            if why is None and not torch.cuda.is_available():
+                why = "this torch has no CUDA"
+            if why is not None:
+                raise errors.BackendUnavailableError(
+                    f"{self!r}: rank {rank} cannot use device='cuda' (raycoll's nccl backend): "
+                    f"{why}")
         self._pg = join_root_group(self._spec, rank, make_default=False)
         if self._device == "cuda":
             # NCCL's communicator forms at a group's first GPU call, which every rank must

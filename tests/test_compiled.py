@@ -170,6 +170,26 @@ def test_bad_input_gives_named_errors_not_hangs(members):
         comm.destroy()
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="tests the GPU-less case")
+def test_cuda_on_actors_without_a_gpu_is_refused_at_compile(members):
+    import ray.experimental.collective as rcol
+    from ray.dag import InputNode, MultiOutputNode
+
+    from raycoll.compiled import RaycollCommunicator
+    from raycoll.errors import BackendUnavailableError
+
+    comm = RaycollCommunicator(members, device="cuda")
+    assert comm.get_transport_name() == "accelerator"
+    with InputNode() as inp:
+        dag = MultiOutputNode(rcol.allreduce.bind([m.make.bind(inp) for m in members],
+                                                  transport=comm))
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"cannot use device='cuda'"):
+            dag.experimental_compile()
+    finally:
+        comm.destroy()
+
+
 def test_arguments_and_the_ray_version_guard(members, monkeypatch):
     import raycoll.compiled as compiled
     from raycoll.errors import BackendUnavailableError, UnsupportedOpError
