@@ -341,16 +341,15 @@ class RaycollCommunicator(_CPUCommunicator):  # type: ignore[misc, valid-type]
 
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
-        """Free the group. In an actor (where Ray calls it): this rank leaves. In the driver:
-        every actor leaves and the group's coordinator stops; the communicator cannot serve
-        another graph afterwards. Calling it twice does nothing."""
-        from raycoll.groups import destroy_process_group
+        """In the driver: free the group (every actor leaves it, its coordinator stops); the
+        communicator cannot serve another graph afterwards. Calling it twice does nothing.
+
+        In an actor, where Ray 2.60 calls it when a graph's CUDA p2p channel closes at
+        teardown: nothing, as the group may still serve the graph's other channels and later
+        graphs (a call stuck on a peer ends at the communicator's timeout)."""
         from raycoll.launch import _kill
 
         if self._rank is not None:  # inside an actor
-            if self._pg is not None:
-                self._pg = None
-                destroy_process_group(self._name)
             return
         spec, self._spec = self._spec, None
         if spec is None:
