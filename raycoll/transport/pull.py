@@ -23,6 +23,9 @@ A reader *pulls* the object into buffers of its own, by one of two paths:
   :meth:`Puller.abort` closes that connection and fails the pull; the keeper and the reader
   go on.
 
+``RAYCOLL_RDT_CMA=0`` in a reader's environment turns the cross-memory reads off (every pull
+then takes the sockets, as between nodes: for tests and comparisons).
+
 Every failure is a :class:`PullError` naming the object and the keeper; nothing waits
 without a deadline.
 """
@@ -42,7 +45,7 @@ import numpy as np
 from raycoll.native import core
 from raycoll.transport.links import listen_address
 
-__all__ = ["Kept", "Keeper", "Puller", "PullError", "keeper", "puller"]
+__all__ = ["Kept", "Keeper", "Puller", "PullError", "keeper", "puller", "CMA_ENV"]
 
 _MAGIC = b"RCP1"
 #: request: magic, secret, object-id length; then the id
@@ -53,7 +56,9 @@ _OK, _UNKNOWN, _REFUSED = 0, 1, 2
 _CANARY_BYTES = 16
 #: The most idle connections a reader keeps to one keeper.
 _POOL = 4
-_EPERM, _EFAULT = 1, 14
+_EPERM = 1
+#: ``RAYCOLL_RDT_CMA=0``: no cross-memory reads in this process (sockets only).
+CMA_ENV = "RAYCOLL_RDT_CMA"
 
 
 class PullError(RuntimeError):
@@ -187,6 +192,8 @@ class Puller:
         #: keepers (node, pid) whose memory this process may not read
         self._no_cma: set = set()
         self.by_path = {"cma": 0, "socket": 0}
+        self.cma = os.environ.get(CMA_ENV, "1").strip().lower() not in ("0", "false", "no",
+                                                                          "off")
 
     def pull(self, kept: Kept, bufs: Sequence[np.ndarray], node_id: str,
              timeout_s: float) -> str:
@@ -199,7 +206,7 @@ class Puller:
             if b.nbytes != n:
                 raise PullError(f"object {kept.obj_id}: buffer {i} has {b.nbytes} bytes, the "
                                 f"kept one {n}")
-        if (core is not None and kept.node_id == node_id
+        if (core is not None and self.cma and kept.node_id == node_id
                 and (kept.node_id, kept.pid) not in self._no_cma and self._cma(kept, bufs)):
             self.by_path["cma"] += 1
             return "cma"
