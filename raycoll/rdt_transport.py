@@ -31,7 +31,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from raycoll.errors import TransferError
-from raycoll.transport.pull import Kept, PullError, keeper, puller
+from raycoll.transport.pull import POOL_MIN_BYTES, Kept, PullError, keeper, puller, recv_pool
 
 __all__ = ["RaycollTensorTransport", "RaycollTransportMetadata",
            "RaycollCommunicatorMetadata", "NAME"]
@@ -52,6 +52,28 @@ def _node_id() -> str:
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of contiguous CPU tensor ``t`` (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _empty(tensor_meta: List[Any]) -> List[torch.Tensor]:
+    """Tensors to receive into: small objects from torch's allocator, large ones (all their
+    tensors in one block, each 64-byte aligned) from this process's receive pool."""
+    sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+             for shape, dtype in tensor_meta]
+    pool = recv_pool()
+    if sum(sizes) < POOL_MIN_BYTES or pool.cap <= 0:
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in tensor_meta]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    block = pool.take(total)
+    out = []
+    for (shape, dtype), off, n in zip(tensor_meta, offsets, sizes):
+        if n == 0:
+            out.append(torch.empty(shape, dtype=dtype))
+        else:
+            out.append(torch.from_numpy(block[off:off + n]).view(dtype).reshape(shape))
+    return out
 
 
 @dataclass
@@ -118,7 +140,7 @@ class RaycollTensorTransport(TensorTransportManager):
                     raise TransferError(f"object {obj_id}: target buffer {i} must be a "
                                         f"contiguous CPU tensor, got one on {t.device}")
         else:
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta.tensor_meta]
+            tensors = _empty(meta.tensor_meta)
         try:
             puller().pull(meta.kept, [_bytes(t) for t in tensors], _node_id(),
                           ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
