@@ -20,7 +20,7 @@ import ray
 
 import raycoll.rdt
 from raycoll.errors import BackendUnavailableError, TransferError
-from raycoll.transport.pull import CMA_ENV, Keeper, Puller, PullError
+from raycoll.transport.pull import CMA_ENV, INLINE_BYTES, Keeper, Puller, PullError
 
 import helpers
 
@@ -135,6 +135,11 @@ def test_shapes_and_dtypes_by_both_paths(actors, path):
     got = ray.get(c.digest.remote(p.make.remote(big)), timeout=60)
     assert got == ray.get(p.digest.remote(), timeout=30)
     assert ray.get(c.paths.remote(), timeout=30)[path] == before + 1
+    # a small object (here under 1 KiB) travels in its metadata, on any path
+    inline = ray.get(c.paths.remote(), timeout=30)["inline"]
+    assert ray.get(c.digest.remote(p.make.remote(16)), timeout=30) == \
+        ray.get(p.digest.remote(), timeout=30)
+    assert ray.get(c.paths.remote(), timeout=30)["inline"] == inline + 1
 
 
 @pytest.mark.timeout(60)
@@ -193,7 +198,7 @@ def test_memory_of_the_producer_back_to_baseline(actors):
 # ---------------------------------------------------------------- the data plane, no Ray
 def test_a_freed_object_is_named_by_both_paths():
     k, p = Keeper(), Puller()
-    data = np.arange(1000, dtype=np.uint8)
+    data = np.arange(INLINE_BYTES + 1000, dtype=np.uint8)
     kept = k.keep("obj-1", [data], node_id="n")
     out = np.empty_like(data)
     assert p.pull(kept, [out], node_id="n", timeout_s=5) == "cma"
@@ -201,6 +206,8 @@ def test_a_freed_object_is_named_by_both_paths():
     out[:] = 0
     assert p.pull(kept, [out], node_id="other", timeout_s=5) == "socket"
     assert (out == data).all()
+    small = k.keep("obj-0", [data[:100]], node_id="n")  # travels in its metadata
+    assert p.pull(small, [out[:100]], node_id="other", timeout_s=5) == "inline"
     with pytest.raises(PullError, match="buffer 0 has 10 bytes"):
         p.pull(kept, [out[:10]], node_id="n", timeout_s=5)
     assert k.drop("obj-1") and not k.drop("obj-1")
@@ -212,12 +219,12 @@ def test_a_freed_object_is_named_by_both_paths():
 
 def test_a_stalled_keeper_times_out_and_a_pull_can_be_aborted():
     k, p = Keeper(), Puller()
-    kept = k.keep("obj-2", [np.zeros(8, dtype=np.uint8)], node_id="n")
+    kept = k.keep("obj-2", [np.zeros(INLINE_BYTES + 8, dtype=np.uint8)], node_id="n")
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)  # accepts (the kernel does) and never answers
     stalled = dataclasses.replace(kept, port=silent.getsockname()[1])
-    out = np.empty(8, dtype=np.uint8)
+    out = np.empty(INLINE_BYTES + 8, dtype=np.uint8)
     began = time.monotonic()
     with pytest.raises(PullError, match="no reply within"):
         p.pull(stalled, [out], node_id="other", timeout_s=0.3)

@@ -7,7 +7,10 @@ of random bytes, until the object is *dropped* (Ray's garbage collection). What 
 :class:`Kept`, tells a reader everything: the keeper's node, pid, each buffer's address and
 length, the canary's, and the address and secret of the keeper's pull server.
 
-A reader *pulls* the object into buffers of its own, by one of two paths:
+A small object (at most ``RAYCOLL_RDT_INLINE_BYTES``, default 64 KiB, all buffers together)
+travels inside :class:`Kept` itself, copied when it is kept: its reader copies it out and
+no path below is taken (across nodes that saves a round trip to the keeper). A larger one
+the reader *pulls* into buffers of its own, by one of two paths:
 
 - **cross-memory read** (same node, native core present): one ``process_vm_readv`` for every
   buffer of the object and the canary after them (:func:`raycoll.native.core.cma_read`, one
@@ -55,7 +58,8 @@ from raycoll.native import core
 from raycoll.transport.links import listen_address
 
 __all__ = ["Kept", "Keeper", "Puller", "PullError", "RecvPool", "keeper", "puller",
-           "recv_pool", "CMA_ENV", "POOL_ENV", "POOL_MIN_BYTES"]
+           "recv_pool", "CMA_ENV", "POOL_ENV", "POOL_MIN_BYTES", "INLINE_ENV",
+           "INLINE_BYTES"]
 
 _MAGIC = b"RCP1"
 #: request: magic, secret, object-id length; then the id
@@ -69,6 +73,9 @@ _POOL = 4
 _EPERM = 1
 #: ``RAYCOLL_RDT_CMA=0``: no cross-memory reads in this process (sockets only).
 CMA_ENV = "RAYCOLL_RDT_CMA"
+#: Objects of at most this many bytes (``RAYCOLL_RDT_INLINE_BYTES``) travel in their metadata.
+INLINE_ENV = "RAYCOLL_RDT_INLINE_BYTES"
+INLINE_BYTES = int(os.environ.get(INLINE_ENV, str(64 << 10)))
 #: The most idle bytes a reader's :class:`RecvPool` keeps, in MiB (``0``: no pool).
 POOL_ENV = "RAYCOLL_RDT_POOL_MB"
 #: Objects from this many bytes take pooled buffers (smaller ones: the allocator's).
@@ -94,6 +101,8 @@ class Kept:
     host: str
     port: int
     secret: bytes
+    #: the object's bytes, back to back, where it is small enough to travel here
+    inline: Optional[bytes] = None
 
     @property
     def nbytes(self) -> int:
@@ -126,13 +135,16 @@ class Keeper:
                 raise ValueError(f"buffer {i} of object {obj_id} must be a flat, contiguous "
                                  f"uint8 view, got {v.dtype} of shape {v.shape}")
             flat.append(v)
+        ranges = tuple((int(v.ctypes.data) if v.nbytes else 0, int(v.nbytes)) for v in flat)
+        if sum(v.nbytes for v in flat) <= INLINE_BYTES:
+            return Kept(obj_id=obj_id, node_id=node_id, pid=os.getpid(), ranges=ranges,
+                        canary_addr=0, canary=b"", host="", port=0, secret=b"",
+                        inline=b"".join(v.tobytes() for v in flat))
         canary = np.frombuffer(bytearray(os.urandom(_CANARY_BYTES)), dtype=np.uint8)
         host, port = self._serve()
         with self._lock:
             self._objects[obj_id] = (flat, canary, list(owners))
-        return Kept(obj_id=obj_id, node_id=node_id, pid=os.getpid(),
-                    ranges=tuple((int(v.ctypes.data) if v.nbytes else 0, int(v.nbytes))
-                                 for v in flat),
+        return Kept(obj_id=obj_id, node_id=node_id, pid=os.getpid(), ranges=ranges,
                     canary_addr=int(canary.ctypes.data), canary=canary.tobytes(),
                     host=host, port=port, secret=self._secret)
 
@@ -261,14 +273,14 @@ class Puller:
         self._aborted: set = set()
         #: keepers (node, pid) whose memory this process may not read
         self._no_cma: set = set()
-        self.by_path = {"cma": 0, "socket": 0}
+        self.by_path = {"inline": 0, "cma": 0, "socket": 0}
         self.cma = os.environ.get(CMA_ENV, "1").strip().lower() not in ("0", "false", "no",
                                                                           "off")
 
     def pull(self, kept: Kept, bufs: Sequence[np.ndarray], node_id: str,
              timeout_s: float) -> str:
         """Pull ``kept`` into ``bufs`` (writable uint8 arrays of exactly its buffers'
-        lengths); the path it took (``"cma"`` or ``"socket"``)."""
+        lengths); the path it took (``"inline"``, ``"cma"`` or ``"socket"``)."""
         if len(bufs) != len(kept.ranges):
             raise PullError(f"object {kept.obj_id}: {len(kept.ranges)} buffers kept, "
                             f"{len(bufs)} to receive into")
@@ -276,6 +288,13 @@ class Puller:
             if b.nbytes != n:
                 raise PullError(f"object {kept.obj_id}: buffer {i} has {b.nbytes} bytes, the "
                                 f"kept one {n}")
+        if kept.inline is not None:
+            at = 0
+            for b in bufs:
+                b[:] = np.frombuffer(kept.inline, dtype=np.uint8, count=b.nbytes, offset=at)
+                at += b.nbytes
+            self.by_path["inline"] += 1
+            return "inline"
         if (core is not None and self.cma and kept.node_id == node_id
                 and (kept.node_id, kept.pid) not in self._no_cma and self._cma(kept, bufs)):
             self.by_path["cma"] += 1
