@@ -18,7 +18,8 @@
     ├── CodeNotShippableError (ImportError) the ranks cannot import the function's module and
     │                                       it cannot travel by value (compiled code)
     ├── TransferError                       a Ray Direct Transport transfer over raycoll failed
-    │                                       (the source actor gone, the object freed, aborted)
+    │                                       (the source actor gone, the object freed, aborted;
+    │                                       docs/rdt.md)
     └── RaySessionError                     Ray is not initialized here, or an actor handle
                                             belongs to a Ray session that has ended
 
