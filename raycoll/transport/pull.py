@@ -186,7 +186,7 @@ class Keeper:
         with conn:
             while True:
                 try:
-                    head = _recv_exact(conn, _REQUEST.size, allow_eof=True)
+                    head = _recv_head(conn, _REQUEST.size)
                     if head is None:
                         return
                     magic, secret, n = _REQUEST.unpack(head)
@@ -202,7 +202,7 @@ class Keeper:
                     views = [v for v in got[0] if v.nbytes]
                     total = sum(v.nbytes for v in views)
                     _send_all(conn, [memoryview(_REPLY.pack(_MAGIC, _OK, total))]
-                              + [memoryview(v) for v in views])
+                              + [v.data for v in views])
                     self.served += 1
                 except OSError:
                     return
@@ -372,7 +372,7 @@ class Puller:
             if total != kept.nbytes:
                 raise PullError(f"{self._who(kept)}: {total} bytes sent, {kept.nbytes} kept")
             for b in bufs:
-                _recv_into(sock, memoryview(b).cast("B"), deadline)
+                _recv_into(sock, b.data.cast("B"), deadline)
             ok = True
         except (OSError, EOFError) as exc:
             if kept.obj_id in self._aborted:
@@ -394,17 +394,25 @@ class Puller:
                 sock.close()
 
 
-def _recv_exact(sock: socket.socket, n: int, allow_eof: bool = False) -> Optional[bytes]:
+def _recv_head(sock: socket.socket, n: int) -> Optional[bytes]:
+    """``n`` bytes, or ``None`` where the peer closed before sending any."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            if allow_eof and got == 0:
+            if got == 0:
                 return None
             raise EOFError(f"the connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    got = _recv_head(sock, n)
+    if got is None:
+        raise EOFError(f"the connection closed before any of {n} bytes")
+    return got
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
