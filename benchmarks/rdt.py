@@ -32,6 +32,8 @@ raycoll.rdt.register()  # before the classes: ray.method checks the transport's 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Producer:
     def __init__(self) -> None:
+        import raycoll.transport.pull  # noqa: F401 - before Ray's transfer thread imports it
+
         self.t: Dict[int, Any] = {}
 
     def alloc(self, nbytes: int) -> int:
@@ -55,6 +57,9 @@ class Producer:
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Consumer:
+    def __init__(self) -> None:
+        import raycoll.transport.pull  # noqa: F401 - before Ray's transfer thread imports it
+
     def take(self, t: Any) -> int:
         return int(t.numel())
 

@@ -16,6 +16,7 @@ This module imports ``ray.experimental.rdt`` (an alpha API of Ray) and torch at 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -31,6 +32,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from raycoll.errors import TransferError
+from raycoll.transport.links import IFNAME_ENV, listen_address
 from raycoll.transport.pull import POOL_MIN_BYTES, Kept, PullError, keeper, puller, recv_pool
 
 __all__ = ["RaycollTensorTransport", "RaycollTransportMetadata",
@@ -47,6 +49,14 @@ def _node_id() -> str:
     if got is None:
         got = _node.id = ray.get_runtime_context().get_node_id()
     return got
+
+
+def _listen_host() -> str:
+    """Where a producer's pull server listens: ``RAYCOLL_SOCKET_IFNAME``'s address, else the
+    node's IP (reachable from every node, also those that join later)."""
+    if os.environ.get(IFNAME_ENV):
+        return listen_address()
+    return str(ray.util.get_node_ip_address())
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -117,8 +127,14 @@ class RaycollTensorTransport(TensorTransportManager):
                 raise TypeError(f"tensor_transport='raycoll' moves CPU tensors; item {i} is on "
                                 f"{t.device} (use Ray's 'nccl' transport for GPU tensors)")
             # A view that is not contiguous is kept as a contiguous copy (read in one piece).
+            if t.is_conj() or t.is_neg():  # lazy conjugate / negative views: materialize
+                t = t.resolve_conj().resolve_neg()
             tensors.append(t if t.is_contiguous() else t.contiguous())
-        kept = keeper().keep(obj_id, [_bytes(t) for t in tensors], _node_id(), owners=tensors)
+        try:
+            views = [_bytes(t) for t in tensors]
+        except (RuntimeError, TypeError) as exc:  # sparse, quantized, ...: no flat bytes
+            raise TypeError(f"tensor_transport='raycoll' moves dense tensors: {exc}") from exc
+        kept = keeper().keep(obj_id, views, _node_id(), owners=tensors, host=_listen_host())
         return RaycollTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors],
                                         tensor_device="cpu" if tensors else None, kept=kept)
 

@@ -62,6 +62,9 @@ def _digest(d) -> dict:
 
 @ray.remote(num_cpus=0)
 class Producer:
+    def __init__(self):
+        import raycoll.transport.pull  # noqa: F401 - see Consumer.__init__
+
     @ray.method(tensor_transport="raycoll")
     def make(self, big: int):
         self.last = _tensors(big)
@@ -88,6 +91,11 @@ class Producer:
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Consumer:
+    def __init__(self):
+        # Imported here, before Ray's transfer thread runs: a method importing raycoll for
+        # the first time while that thread imports it too can meet a half-imported module.
+        import raycoll.transport.pull  # noqa: F401
+
     def digest(self, d):
         return _digest(d)
 

@@ -126,9 +126,10 @@ class Keeper:
             return len(self._objects)
 
     def keep(self, obj_id: str, views: Sequence[np.ndarray], node_id: str,
-             owners: Sequence[object] = ()) -> Kept:
+             owners: Sequence[object] = (), host: Optional[str] = None) -> Kept:
         """Keep ``views`` (flat, C-contiguous uint8 arrays) under ``obj_id``; ``owners`` stay
-        alive with them (the tensors the views share memory with)."""
+        alive with them (the tensors the views share memory with). ``host``: the address
+        the pull server listens on, the first time (default: raycoll's listen address)."""
         flat = []
         for i, v in enumerate(views):
             if v.dtype != np.uint8 or v.ndim != 1 or not v.flags.c_contiguous:
@@ -141,7 +142,7 @@ class Keeper:
                         canary_addr=0, canary=b"", host="", port=0, secret=b"",
                         inline=b"".join(v.tobytes() for v in flat))
         canary = np.frombuffer(bytearray(os.urandom(_CANARY_BYTES)), dtype=np.uint8)
-        host, port = self._serve()
+        host, port = self._serve(host)
         with self._lock:
             self._objects[obj_id] = (flat, canary, list(owners))
         return Kept(obj_id=obj_id, node_id=node_id, pid=os.getpid(), ranges=ranges,
@@ -158,10 +159,10 @@ class Keeper:
         return True
 
     # ------------------------------------------------------------------ the pull server
-    def _serve(self) -> Tuple[str, int]:
+    def _serve(self, host: Optional[str]) -> Tuple[str, int]:
         with self._lock:
             if self._server is None:
-                host = listen_address()
+                host = host or listen_address()
                 srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 srv.bind((host, 0))
@@ -340,58 +341,69 @@ class Puller:
         return True
 
     # ------------------------------------------------------------------ sockets
-    def _connect(self, kept: Kept, timeout_s: float) -> socket.socket:
+    def _connect(self, kept: Kept, timeout_s: float) -> Tuple[socket.socket, bool]:
+        """A connection to ``kept``'s keeper, and whether it is an idle one reused."""
         key = (kept.host, kept.port)
         with self._lock:
             idle = self._pool.get(key)
             if idle:
-                return idle.pop()
+                return idle.pop(), True
         try:
             sock = socket.create_connection(key, timeout=timeout_s)
         except OSError as exc:
             raise PullError(f"{self._who(kept)}: cannot reach its pull server at "
                             f"{kept.host}:{kept.port} ({exc}); the process is gone") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return sock, False
 
     def _socket(self, kept: Kept, bufs: Sequence[np.ndarray], timeout_s: float) -> None:
-        sock = self._connect(kept, timeout_s)
-        with self._lock:
-            self._active[kept.obj_id] = sock
         deadline = time.monotonic() + timeout_s
-        ok = False
-        try:
-            sock.settimeout(timeout_s)
-            oid = kept.obj_id.encode()
-            sock.sendall(_REQUEST.pack(_MAGIC, kept.secret, len(oid)) + oid)
-            magic, status, total = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-            if magic != _MAGIC or status != _OK:
-                why = {_UNKNOWN: "it no longer keeps it (freed)",
-                       _REFUSED: "it refused the request"}.get(status, "a garbled reply")
-                raise PullError(f"{self._who(kept)}: {why}")
-            if total != kept.nbytes:
-                raise PullError(f"{self._who(kept)}: {total} bytes sent, {kept.nbytes} kept")
-            for b in bufs:
-                _recv_into(sock, b.data.cast("B"), deadline)
-            ok = True
-        except (OSError, EOFError) as exc:
-            if kept.obj_id in self._aborted:
-                raise PullError(f"{self._who(kept)}: the transfer was aborted") from exc
-            if isinstance(exc, socket.timeout):
-                raise PullError(f"{self._who(kept)}: no reply within {timeout_s:.3g} s") \
-                    from exc
-            raise PullError(f"{self._who(kept)}: the connection failed ({exc}); the "
-                            "process is gone or the transfer was aborted") from exc
-        finally:
+        while True:
+            sock, reused = self._connect(kept, timeout_s)
             with self._lock:
-                self._active.pop(kept.obj_id, None)
-                self._aborted.discard(kept.obj_id)
-                idle = self._pool.setdefault((kept.host, kept.port), [])
-                if ok and len(idle) < _POOL:
-                    idle.append(sock)
-                    sock = None  # type: ignore[assignment]
-            if sock is not None:
-                sock.close()
+                self._active[kept.obj_id] = sock
+            replied, ok = [False], False
+            try:
+                self._exchange(sock, kept, bufs, timeout_s, deadline, replied)
+                ok = True
+                return
+            except (OSError, EOFError) as exc:
+                if kept.obj_id in self._aborted:
+                    raise PullError(f"{self._who(kept)}: the transfer was aborted") from exc
+                if reused and not replied[0] and not isinstance(exc, socket.timeout):
+                    continue  # an idle connection the keeper had closed: once more, afresh
+                if isinstance(exc, socket.timeout):
+                    raise PullError(f"{self._who(kept)}: no reply within {timeout_s:.3g} s") \
+                        from exc
+                raise PullError(f"{self._who(kept)}: the connection failed ({exc}); the "
+                                "process is gone or the transfer was aborted") from exc
+            finally:
+                with self._lock:
+                    self._active.pop(kept.obj_id, None)
+                    self._aborted.discard(kept.obj_id)
+                    idle = self._pool.setdefault((kept.host, kept.port), [])
+                    if ok and len(idle) < _POOL:
+                        idle.append(sock)
+                        sock = None  # type: ignore[assignment]
+                if sock is not None:
+                    sock.close()
+
+    def _exchange(self, sock: socket.socket, kept: Kept, bufs: Sequence[np.ndarray],
+                  timeout_s: float, deadline: float, replied: List[bool]) -> None:
+        """One request and its reply, into ``bufs`` (``replied[0]``: a reply began)."""
+        sock.settimeout(timeout_s)
+        oid = kept.obj_id.encode()
+        sock.sendall(_REQUEST.pack(_MAGIC, kept.secret, len(oid)) + oid)
+        magic, status, total = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+        replied[0] = True
+        if magic != _MAGIC or status != _OK:
+            why = {_UNKNOWN: "it no longer keeps it (freed)",
+                   _REFUSED: "it refused the request"}.get(status, "a garbled reply")
+            raise PullError(f"{self._who(kept)}: {why}")
+        if total != kept.nbytes:
+            raise PullError(f"{self._who(kept)}: {total} bytes sent, {kept.nbytes} kept")
+        for b in bufs:
+            _recv_into(sock, b.data.cast("B"), deadline)
 
 
 def _recv_head(sock: socket.socket, n: int) -> Optional[bytes]:
