@@ -2,7 +2,7 @@
 on real actors, as users meet it: tensors of many shapes and dtypes (4 B to 64 MiB) by both
 paths (cross-memory reads, and the pull server's sockets as between nodes), a chain of three
 actors, one object consumed by two actors and the driver, a producer that died (a named error
-at once, the consumer still working), memory back to its baseline after many transfers; and
+at once, the consumers and their raycoll group still working), memory back to its baseline after many transfers; and
 the data plane (raycoll.transport.pull) without Ray: a freed object, an abort, a timeout."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import ray
 
+import raycoll
 import raycoll.rdt
 from raycoll.errors import BackendUnavailableError, TransferError
 from raycoll.transport.pull import CMA_ENV, INLINE_BYTES, Keeper, Puller, PullError
@@ -103,6 +104,11 @@ class Consumer:
     def plus_one(self, d):
         return {"big": d["big"] + 1, "f32": d["f32"] * 2}
 
+    def all_reduce(self, value):
+        t = torch.full((4,), float(value))
+        raycoll.all_reduce(t, group="rdt")
+        return t.tolist()
+
     def nbytes(self, t):
         return t.numel() * t.element_size()
 
@@ -122,7 +128,10 @@ def actors(ray_local):
     raycoll.rdt.register()  # again: does nothing
     made = {"p": Producer.remote(), "cma": Consumer.remote(),
             "socket": Consumer.options(runtime_env={"env_vars": {CMA_ENV: "0"}}).remote()}
+    # the consumers also form a raycoll group: transfers and collectives side by side
+    raycoll.create_group([made["cma"], made["socket"]], group_name="rdt")
     yield made
+    raycoll.destroy_group("rdt")
     for a in made.values():
         ray.kill(a, no_restart=True)
 
@@ -183,6 +192,9 @@ def test_a_producer_that_died_is_named_and_the_consumers_go_on(actors):
         # the consumer is alive and takes the next object from a live producer
         assert ray.get(c.digest.remote(actors["p"].make.remote(16)), timeout=30) == \
             ray.get(actors["p"].digest.remote(), timeout=30)
+    # and their raycoll group is untouched
+    assert ray.get([actors["cma"].all_reduce.remote(1), actors["socket"].all_reduce.remote(2)],
+                   timeout=60) == [[3.0] * 4] * 2
 
 
 @pytest.mark.timeout(90)
