@@ -16,6 +16,7 @@ This module imports ``ray.experimental.rdt`` (an alpha API of Ray) and torch at 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ def _node_id() -> str:
     return got
 
 
+@functools.lru_cache(maxsize=1)
 def _listen_host() -> str:
     """Where a producer's pull server listens: ``RAYCOLL_SOCKET_IFNAME``'s address, else the
     node's IP (reachable from every node, also those that join later)."""

@@ -109,6 +109,9 @@ class Consumer:
         raycoll.all_reduce(t, group="rdt")
         return t.tolist()
 
+    def digest_one(self, t):
+        return _digest({"t": t})
+
     def nbytes(self, t):
         return t.numel() * t.element_size()
 
@@ -171,6 +174,14 @@ def test_chain_of_three_and_one_object_consumed_twice(actors):
     out = ray.get(c.digest.remote(b.plus_one.remote(ref)), timeout=30)
     src = _tensors(4 * MiB)
     assert out == _digest({"big": src["big"] + 1, "f32": src["f32"] * 2})
+    # the driver as the producer: ray.put(..., _tensor_transport="raycoll")
+    from raycoll.transport.pull import keeper
+
+    put = ray.put(src["big"], _tensor_transport="raycoll")
+    assert ray.get(b.digest_one.remote(put), timeout=30) == _digest({"t": src["big"]})
+    assert len(keeper()) == 1
+    del put
+    helpers.wait_for(lambda: len(keeper()) == 0, timeout=20, what="the driver's object freed")
 
 
 @pytest.mark.timeout(60)
