@@ -134,9 +134,10 @@ def actors(ray_local):
     # the consumers also form a raycoll group: transfers and collectives side by side
     raycoll.create_group([made["cma"], made["socket"]], group_name="rdt")
     yield made
-    raycoll.destroy_group("rdt")
-    for a in made.values():
-        ray.kill(a, no_restart=True)
+    if ray.is_initialized():
+        raycoll.destroy_group("rdt")
+        for a in made.values():
+            ray.kill(a, no_restart=True)
 
 
 def test_register_guards_the_ray_version(monkeypatch):
@@ -268,3 +269,4 @@ def test_a_stalled_keeper_times_out_and_a_pull_can_be_aborted():
     # the real keeper still serves
     assert p.pull(kept, [out], node_id="other", timeout_s=5) == "socket"
     silent.close()
+
