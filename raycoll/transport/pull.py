@@ -68,8 +68,10 @@ _REQUEST = struct.Struct("!4s16sH")
 _REPLY = struct.Struct("!4sIQ")
 _OK, _UNKNOWN, _REFUSED = 0, 1, 2
 _CANARY_BYTES = 16
-#: The most idle connections a reader keeps to one keeper.
+#: The most idle connections a reader keeps to one keeper, and the most keepers it keeps
+#: idle connections to.
 _POOL = 4
+_KEEPERS = 64
 _EPERM = 1
 #: ``RAYCOLL_RDT_CMA=0``: no cross-memory reads in this process (sockets only).
 CMA_ENV = "RAYCOLL_RDT_CMA"
@@ -205,8 +207,8 @@ class Keeper:
                     _send_all(conn, [memoryview(_REPLY.pack(_MAGIC, _OK, total))]
                               + [v.data for v in views])
                     self.served += 1
-                except OSError:
-                    return
+                except (OSError, EOFError, ValueError, struct.error):
+                    return  # the reader closed, or sent what is not a request
 
 
 class RecvPool:
@@ -381,10 +383,14 @@ class Puller:
                 with self._lock:
                     self._active.pop(kept.obj_id, None)
                     self._aborted.discard(kept.obj_id)
-                    idle = self._pool.setdefault((kept.host, kept.port), [])
+                    idle = self._pool.pop((kept.host, kept.port), [])
+                    self._pool[(kept.host, kept.port)] = idle  # the newest, last
                     if ok and len(idle) < _POOL:
                         idle.append(sock)
                         sock = None  # type: ignore[assignment]
+                    while len(self._pool) > _KEEPERS:  # the least recently used keepers'
+                        for old in self._pool.pop(next(iter(self._pool))):
+                            old.close()
                 if sock is not None:
                     sock.close()
 
