@@ -21,6 +21,7 @@ import ray
 import raycoll
 import raycoll.rdt
 from raycoll.errors import BackendUnavailableError, TransferError
+from raycoll.native import core
 from raycoll.transport.pull import CMA_ENV, INLINE_BYTES, Keeper, Puller, PullError
 
 import helpers
@@ -150,6 +151,8 @@ def test_register_guards_the_ray_version(monkeypatch):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("path", ["cma", "socket"])
 def test_shapes_and_dtypes_by_both_paths(actors, path):
+    if path == "cma" and core is None:
+        pytest.skip("cross-memory reads need raycoll's native core")
     p, c = actors["p"], actors[path]
     before = ray.get(c.paths.remote(), timeout=30)[path]
     big = 64 * MiB if path == "cma" else 8 * MiB
@@ -193,14 +196,12 @@ def test_a_producer_that_died_is_named_and_the_consumers_go_on(actors):
     ray.kill(dying, no_restart=True)
     helpers.wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=20,
                      what="the producer's process to end")
-    for path in ("cma", "socket"):
+    for path in ("cma", "socket"):  # (without the native core both take the sockets)
         c = actors[path]
         began = time.monotonic()
-        with pytest.raises(Exception) as info:
+        with pytest.raises(TransferError, match="is gone"):  # Ray's RayTaskError, as its cause
             ray.get(c.nbytes.remote(ref), timeout=30)
         assert time.monotonic() - began < 20
-        assert "TransferError" in str(info.value), str(info.value)[-2000:]
-        assert "is gone" in str(info.value)
         # the consumer is alive and takes the next object from a live producer
         assert ray.get(c.digest.remote(actors["p"].make.remote(16)), timeout=30) == \
             ray.get(actors["p"].digest.remote(), timeout=30)
@@ -233,7 +234,8 @@ def test_a_freed_object_is_named_by_both_paths():
     data = np.arange(INLINE_BYTES + 1000, dtype=np.uint8)
     kept = k.keep("obj-1", [data], node_id="n")
     out = np.empty_like(data)
-    assert p.pull(kept, [out], node_id="n", timeout_s=5) == "cma"
+    same_node = "cma" if core is not None else "socket"
+    assert p.pull(kept, [out], node_id="n", timeout_s=5) == same_node
     assert (out == data).all()
     out[:] = 0
     assert p.pull(kept, [out], node_id="other", timeout_s=5) == "socket"
