@@ -11,6 +11,12 @@ raycoll pulls over TCP.
 
     python benchmarks/rdt.py                          # one node
     python benchmarks/rdt.py --nodes 2 --sizes 4,1048576,67108864
+    python benchmarks/rdt.py --paths                  # raycoll's data paths alone, no Ray
+
+``--paths`` times raycoll's pull paths without Ray, in one process (a Keeper and a Puller,
+raycoll/transport/pull.py): the cross-memory read against the pull server's socket, into a
+buffer already mapped and into a fresh one, beside a plain memcpy: why the same node reads
+by CMA and why large objects land in the receive pool.
 """
 
 from __future__ import annotations
@@ -85,13 +91,49 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def paths(sizes: List[int]) -> None:
+    """raycoll's pull paths alone (no Ray), medians of 9 in ms."""
+    import numpy as np
+
+    from raycoll.transport.pull import Keeper, Puller
+
+    keeper, puller = Keeper(), Puller()
+    print(f"{'size':>8} {'memcpy':>8} {'cma':>8} {'cma+alloc':>10} {'socket':>8}")
+    for nbytes in sizes:
+        data = np.ones(nbytes, np.uint8)
+        kept = keeper.keep(f"bench-{nbytes}", [data], node_id="here", host="127.0.0.1")
+        out = np.empty_like(data)
+        out[:] = 0
+
+        def med(fn: Any) -> float:
+            ts = []
+            for _ in range(9):
+                start = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - start)
+            return statistics.median(ts) * 1e3
+
+        copy = med(lambda: np.copyto(out, data))
+        cma = med(lambda: puller.pull(kept, [out], "here", 30))
+        fresh = med(lambda: puller.pull(kept, [np.empty_like(data)], "here", 30))
+        sock = med(lambda: puller.pull(kept, [out], "elsewhere", 30))
+        print(f"{_fmt(nbytes):>8} {copy:>8.3f} {cma:>8.3f} {fresh:>10.3f} {sock:>8.3f}  "
+              f"({'inline' if kept.inline is not None else 'pulled'})", flush=True)
+        keeper.drop(kept.obj_id)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1, choices=(1, 2))
     parser.add_argument("--sizes", default="4,1048576,67108864,268435456", help="bytes")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds a size (default: 40 to 4 by size)")
+    parser.add_argument("--paths", action="store_true",
+                        help="raycoll's pull paths alone, no Ray (see above)")
     args = parser.parse_args()
+    if args.paths:
+        paths([int(x) for x in args.sizes.split(",")])
+        return
     cluster = None
     if args.nodes == 1:
         ray.init(address="local", num_cpus=4, include_dashboard=False)
