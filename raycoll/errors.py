@@ -17,6 +17,9 @@
     ├── SpawnError                          raycoll.spawn: a rank's function raised
     ├── CodeNotShippableError (ImportError) the ranks cannot import the function's module and
     │                                       it cannot travel by value (compiled code)
+    ├── TransferError                       a Ray Direct Transport transfer over raycoll failed
+    │                                       (the source actor gone, the object freed, aborted;
+    │                                       docs/rdt.md)
     └── RaySessionError                     Ray is not initialized here, or an actor handle
                                             belongs to a Ray session that has ended
 
@@ -54,6 +57,7 @@ __all__ = [
     "SpawnError",
     "CodeNotShippableError",
     "RaySessionError",
+    "TransferError",
     "TensorSizeError",
     "UnsupportedOpError",
 ]
@@ -157,6 +161,12 @@ class RaySessionError(RaycollError):
     a Ray session that has ended (``ray.shutdown()``, or ``ray.init()`` again, since the actor
     was created) or to another cluster: call ``ray.init()`` and create the actors again.
     Ray's own error, where there is one, is the cause."""
+
+
+class TransferError(RaycollError):
+    """A tensor transfer of raycoll's Ray Direct Transport (:mod:`raycoll.rdt`) failed: the
+    actor that kept the object is gone, freed it, refused, or the transfer timed out or was
+    aborted. The message names the object and where it was kept; both actors stay alive."""
 
 
 class TensorSizeError(ValueError, RuntimeError):

@@ -2,9 +2,12 @@
 collective over direct connections, a rank killed mid-stream named within seconds (on sockets
 and on a node lane), the two-level all_reduce's bytes between nodes, node lanes (3 + 1 ranks)
 with every algorithm against numpy and each rank's counts equal to the schedule's, and the
-rule that sets them up by default."""
+rule that sets them up by default; a Ray Direct Transport object (raycoll.rdt) crossing the
+nodes over the producer's pull server."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -280,3 +283,52 @@ def test_node_lanes_by_default_only_where_the_ranks_fit_the_cores(two_nodes):
     # first collective spends no step on setting lanes up
     assert all(g["steps"] == (("setup",) if lanes else ()) for g in default), default
     assert all(g["steps"] == () for g in off), off
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_ray_direct_transport_object_crosses_nodes_over_tcp(two_nodes):
+    """``tensor_transport="raycoll"`` (raycoll.rdt) between actors on two nodes: a small object
+    inline, a large one pulled from the producer's server, and dropped once freed."""
+    torch = pytest.importorskip("torch")
+    import raycoll.rdt
+
+    raycoll.rdt.register()
+
+    @ray.remote(num_cpus=0, resources={"node0": 1})
+    class Producer:
+        def __init__(self):
+            import raycoll.transport.pull  # noqa: F401 - before Ray's transfer thread does
+
+        @ray.method(tensor_transport="raycoll")
+        def make(self, n):
+            return [torch.arange(n, dtype=torch.float64), torch.ones(3, dtype=torch.int8)]
+
+        def kept(self):
+            from raycoll.transport.pull import keeper
+
+            return len(keeper())
+
+    @ray.remote(num_cpus=0, resources={"node1": 1}, enable_tensor_transport=True)
+    class Consumer:
+        def __init__(self):
+            import raycoll.transport.pull  # noqa: F401
+
+        def sums(self, ts):
+            from raycoll.transport.pull import puller
+
+            return [float(t.sum()) for t in ts], dict(puller().by_path)
+
+    p, c = Producer.remote(), Consumer.remote()
+    try:
+        for n, path in ((10, "inline"), (1_000_000, "socket")):  # 80 B, then 8 MB
+            sums, paths = ray.get(c.sums.remote(p.make.remote(n)), timeout=60)
+            assert sums == [n * (n - 1) / 2, 3.0] and paths[path] == 1 and paths["cma"] == 0
+        for _ in range(100):
+            if ray.get(p.kept.remote(), timeout=30) == 0:
+                break
+            time.sleep(0.1)
+        assert ray.get(p.kept.remote(), timeout=30) == 0
+    finally:
+        for a in (p, c):
+            ray.kill(a)

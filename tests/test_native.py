@@ -1,7 +1,7 @@
 """raycoll's native core without Ray (raycoll/native/): every reduction against numpy, the node
 segment's plans run by threads and by processes of this test (each a rank), its bounds
-checks, mismatches, rejections, a dead peer named at once, its file gone once mapped, and a
-/dev/shm too small for it. Skipped, with the reason, where the extension is not built."""
+checks, mismatches, rejections, a dead peer named at once, its file gone once mapped, a
+/dev/shm too small for it, and cross-memory reads of another process (``cma_read``). Skipped, with the reason, where the extension is not built."""
 
 from __future__ import annotations
 
@@ -691,3 +691,43 @@ def test_a_cross_memory_read_past_a_peers_buffer_is_refused():
         return _run(seg, plan, [mine])  # the peer published 16 bytes: [8, 24) is past them
 
     assert [status for status, _ in _in_threads(2, body)] == [core.BADPLAN] * 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_vm_readv is Linux's")
+def test_cma_read_reads_another_process_and_checks_every_range():
+    """core.cma_read (cma.c, raycoll.rdt's same-node path): a child's buffers, many ranges in
+    one call (more than IOV_MAX, so in several system calls), and the checks before any copy:
+    a buffer of another length, a range at address 0, a pid that is gone."""
+    data = np.arange(3000, dtype=np.uint32)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child keeps `data` (copy on write: the same addresses) until killed
+        os.close(r)
+        os.write(w, b"1")
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+        at = data.ctypes.data
+        pieces = [(at + 4 * i, 4 * (i % 3)) for i in range(1500)]  # 1,500 ranges, some empty
+        outs = [np.empty(n, np.uint8) for _, n in pieces]
+        assert core.cma_read(pid, pieces, outs) == (core.OK, 0)
+        raw = data.view(np.uint8)
+        assert all(np.array_equal(o, raw[a - at:a - at + len(o)]) for (a, _), o in
+                   zip(pieces, outs))
+        whole = np.empty(data.nbytes, np.uint8)
+        assert core.cma_read(pid, [(at, data.nbytes)], [whole]) == (core.OK, 0)
+        assert np.array_equal(whole, raw)
+        with pytest.raises(ValueError, match="its buffer 16 bytes"):
+            core.cma_read(pid, [(at, 8)], [np.empty(16, np.uint8)])
+        with pytest.raises(ValueError, match="at address 0"):
+            core.cma_read(pid, [(0, 8)], [np.empty(8, np.uint8)])
+        with pytest.raises(ValueError, match="2 ranges for 1 buffers"):
+            core.cma_read(pid, [(at, 8), (at, 8)], [np.empty(8, np.uint8)])
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+    status, err = core.cma_read(pid, [(at, 8)], [np.empty(8, np.uint8)])
+    assert status == core.DEAD and err == 3  # ESRCH

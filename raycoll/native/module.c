@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "cma.h"
 #include "core.h"
 #include "net.h"
 #include "reduce.h"
@@ -532,6 +533,67 @@ static PyTypeObject SegmentType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ---------------------------------------------------------------- cross-memory reads */
+/* cma_read(pid, remote, bufs) -> (status, errno): remote[i] = (address, length) in process
+ * pid, read into the writable buffer bufs[i], whose length must be that length exactly. */
+static PyObject *py_cma_read(PyObject *self, PyObject *args) {
+    int pid;
+    PyObject *remote_obj, *bufs_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOO", &pid, &remote_obj, &bufs_obj)) return NULL;
+    PyObject *remote = PySequence_Fast(remote_obj, "remote must be a sequence of (address, length)");
+    if (remote == NULL) return NULL;
+    PyObject *bufs = PySequence_Fast(bufs_obj, "bufs must be a sequence of buffers");
+    if (bufs == NULL) {
+        Py_DECREF(remote);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(remote);
+    PyObject *result = NULL;
+    Py_buffer *views = NULL;
+    rc_range *ranges = NULL;
+    Py_ssize_t got = 0;
+    if (n != PySequence_Fast_GET_SIZE(bufs) || n > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "cma_read: %zd ranges for %zd buffers (at most 1048576)",
+                     n, PySequence_Fast_GET_SIZE(bufs));
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    ranges = PyMem_Calloc(2 * (size_t)n + 1, sizeof(rc_range));
+    if (views == NULL || ranges == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        unsigned long long addr, len;
+        PyObject *pair = PySequence_Fast_GET_ITEM(remote, got);
+        if (!PyArg_ParseTuple(pair, "KK", &addr, &len)) goto done;
+        if (take_buffer(PySequence_Fast_GET_ITEM(bufs, got), &views[got], 1) < 0) goto done;
+        if ((unsigned long long)views[got].len != len || (len && addr == 0) ||
+            addr > UINT64_MAX - len) { /* bounds: exactly the buffer, a range that exists */
+            PyErr_Format(PyExc_ValueError,
+                         "cma_read: range %zd is %llu bytes at address %llu, its buffer %zd bytes",
+                         got, len, addr, views[got].len);
+            PyBuffer_Release(&views[got]);
+            goto done;
+        }
+        ranges[got].addr = (uint64_t)(uintptr_t)views[got].buf;
+        ranges[got].len = (uint64_t)len;
+        ranges[n + got].addr = (uint64_t)addr;
+        ranges[n + got].len = (uint64_t)len;
+    }
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS rc = rc_cma_readv((int32_t)pid, ranges, ranges + n, (int)n, &err);
+    Py_END_ALLOW_THREADS result = Py_BuildValue("(ii)", rc, err);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(ranges);
+    Py_DECREF(remote);
+    Py_DECREF(bufs);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"execute", py_execute, METH_VARARGS,
      "execute(seg, plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check, net) "
@@ -544,6 +606,9 @@ static PyMethodDef module_methods[] = {
     {"supported", py_supported, METH_VARARGS, "supported(dtype, op) -> bool"},
     {"dtype_size", py_dtype_size, METH_VARARGS, "dtype_size(dtype) -> bytes an element"},
     {"unlink", py_unlink, METH_VARARGS, "unlink(name) -> bool: shm_unlink"},
+    {"cma_read", py_cma_read, METH_VARARGS,
+     "cma_read(pid, remote, bufs) -> (status, errno): read remote[i] = (address, length) of "
+     "process pid into bufs[i] (exactly that length), process_vm_readv; GIL released"},
     {"total_bytes", py_total_bytes, METH_VARARGS,
      "total_bytes(nranks, half_bytes) -> the size of such a segment"},
     {NULL, NULL, 0, NULL}};
