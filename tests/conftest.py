@@ -28,7 +28,9 @@ def pytest_runtest_setup(item):  # noqa: D103 - pytest hook
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
-    items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+    # cluster tests, then netns tests (each replaces the session's Ray with a cluster of its own)
+    items.sort(key=lambda item: 2 if item.get_closest_marker("netns")
+               else 1 if item.get_closest_marker("cluster") else 0)
     # Test modules are not importable inside Ray workers: ship their functions by value.
     modules = {item.module for item in items if getattr(item, "module", None) is not None}
     for module in modules | {helpers}:
