@@ -396,7 +396,6 @@ class NetnsCluster:
 
     def wait_for_nodes(self, timeout_s: float = 60.0) -> None:
         """Wait until Ray lists the head and every worker node alive."""
-        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         script = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
                   "print(sum(1 for n in ray.nodes() if n['Alive']))")
         deadline = time.monotonic() + timeout_s
@@ -410,7 +409,6 @@ class NetnsCluster:
             if alive >= len(self.nodes) + 1:
                 return
             time.sleep(0.5)
-        del ray_bin
         raise RuntimeError(f"only {alive} of {len(self.nodes) + 1} Ray nodes came up "
                            f"within {timeout_s} s")
 

@@ -1,7 +1,8 @@
 """Test fixtures: one real local Ray per session, a pool of reusable rank actors.
 
 Tests marked ``cluster`` start their own multi-node Ray (``ray.cluster_utils.Cluster``); they
-are moved to the end of the run, where the session's local Ray is shut down for them.
+are moved to the end of the run, where the session's local Ray is shut down for them; tests
+marked ``netns`` (a cluster in network namespaces, raycoll.testing_netns) come after them.
 """
 
 from __future__ import annotations
