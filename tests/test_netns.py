@@ -128,6 +128,7 @@ def _loop_all_reduce(rank: int, group: str, seconds: float, n: int) -> Dict[str,
         except Exception as exc:  # noqa: BLE001 - reported to the test
             return {"type": type(exc).__name__, "raycoll": isinstance(exc, raycoll.RaycollError),
                     "msg": str(exc)[:600], "failed_at": time.time(), "calls": calls,
+                    "missing": list(getattr(exc, "missing", ())),
                     "call_s": time.time() - start}
         calls += 1
     return {"type": None, "calls": calls}
@@ -192,7 +193,8 @@ def test_partition_between_two_halves_fails_every_rank_then_heals(raycoll_netns,
 @pytest.mark.timeout(150)
 def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_netns, team):
     """64 MiB all_reduces at 1 Gbit/s; node 2's link drops to 1 Mbit/s (the next one would
-    take minutes): every rank's call times out, naming the group's collective, none hangs."""
+    take minutes): every rank's call times out, naming the collective and the slow node's
+    ranks; none hangs."""
     cluster = raycoll_netns
     results = _fault_then_reform(cluster, team, lambda: cluster.set_rate(2, "1mbit"),
                                  lambda: cluster.set_rate(2, "1gbit"), n=1 << 24)
@@ -200,6 +202,8 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
     for res in results:
         assert res["type"] == "DistTimeoutError", res
         assert "all_reduce #" in res["msg"], res
+        # the ranks named are the slow node's (ranks 2 and 3), never the fast one's
+        assert res["missing"] and set(res["missing"]) <= {2, 3}, res
 
 
 def test_teardown_leaves_the_machine_as_found(machine_before, raycoll_netns):

@@ -365,13 +365,13 @@ class _ActorPeer(Peer):
             raise RuntimeError(f"{self.name}: setup() called twice; call close() first")
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: expected an int >= 1; got {world_size!r}")
-        if isinstance(actor_options, (list, tuple)):
+        if actor_options is None or isinstance(actor_options, dict):
+            per_rank = [{"num_cpus": 0, **(actor_options or {})}] * world_size
+        else:
             if len(actor_options) != world_size:
                 raise ValueError(f"actor_options: expected one dict per rank ({world_size}); "
                                  f"got {len(actor_options)}")
             per_rank = [{"num_cpus": 0, **(o or {})} for o in actor_options]
-        else:
-            per_rank = [{"num_cpus": 0, **(actor_options or {})}] * world_size
         self.world_size = world_size
         self._actors = [
             _RankRemote.options(**per_rank[rank]).remote(self.name, rank, world_size)
