@@ -493,6 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.sweep:
         print("removed:", " ".join(sweep_stale()) or "nothing")
         return 0
+    # SIGTERM (kill, timeout) tears down as Ctrl-C does: Python's default would skip it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with NetnsCluster(args.nodes, rate=args.rate, cpus=args.cpus) as cluster:
         print(f"ray.init(address={cluster.address!r})  # nodes: "
               + ", ".join(f"{n.namespace} {n.address}" for n in cluster.nodes), flush=True)

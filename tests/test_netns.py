@@ -27,8 +27,9 @@ TIMEOUT_S = 4.0
 #: coordinator's answer, and this machine's noise: 2 cores shared).
 BOUND_S = TIMEOUT_S + 20.0
 #: The group formed again after a fault keeps off node lanes: on the same actors, a node lane
-#: (Ray shared-memory channels) set up after the outage failed its first write with "Channel
-#: closed" (a finding of this harness, not yet understood); its direct connections work.
+#: (Ray shared-memory channels) set up after a group of theirs broke fails its first write
+#: with "Channel closed" (found here; it needs no network fault: a group broken by a rank's
+#: timeout and formed again among the same actors does it too). Direct connections work.
 REFORM_OPTIONS = {"node_lanes": False}
 
 
