@@ -26,11 +26,6 @@ TIMEOUT_S = 4.0
 #: Every rank's error must come within this long of the fault (the collective timeout, the
 #: coordinator's answer, and this machine's noise: 2 cores shared).
 BOUND_S = TIMEOUT_S + 20.0
-#: The group formed again after a fault keeps off node lanes: on the same actors, a node lane
-#: (Ray shared-memory channels) set up after a group of theirs broke fails its first write
-#: with "Channel closed" (found here; it needs no network fault: a group broken by a rank's
-#: timeout and formed again among the same actors does it too). Direct connections work.
-REFORM_OPTIONS = {"node_lanes": False}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +73,7 @@ def test_a_crashed_clusters_leftovers_are_swept(machine_before):
 
 @pytest.fixture
 def team(machine_before, raycoll_netns) -> Iterator[List[Any]]:
-    """Four fresh rank actors: ranks 0, 1 on node 1, ranks 2, 3 on node 2 (fresh for each
-    test: a fault leaves the actors' node lanes unusable, see REFORM_OPTIONS)."""
+    """Four fresh rank actors for each test: ranks 0, 1 on node 1, ranks 2, 3 on node 2."""
     cluster = raycoll_netns
     actors = [Worker.options(**cluster.actor_options(i)).remote() for i in (1, 1, 2, 2)]
     ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
@@ -162,7 +156,9 @@ def _fault_then_reform(cluster, team, cut, restore, n: int = 1 << 20) -> List[Di
         assert res["failed_at"] - cut_at < BOUND_S, (rank, res)
     raycoll.destroy_group(name)
     again = f"again-{uuid.uuid4().hex[:6]}"
-    raycoll.create_group(team, group_name=again, timeout=60, options=REFORM_OPTIONS)
+    # node lanes on (each node's 2 ranks fit its cores): a broken group's node-lane channel
+    # once went back to the actors' pool closed, and this group failed "Channel closed"
+    raycoll.create_group(team, group_name=again, timeout=60)
     try:
         sums = ray.get([a.run.remote(_sum, r, (again,), {}) for r, a in enumerate(team)],
                        timeout=60)
