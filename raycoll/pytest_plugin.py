@@ -22,6 +22,15 @@ Fixtures:
     importable there (register helper modules yourself with
     ``ray.cloudpickle.register_pickle_by_value(module)``).
 
+``raycoll_netns`` (module)
+    A :class:`raycoll.testing_netns.NetnsCluster`: a Ray head and worker nodes on this machine,
+    each worker in a network namespace of its own behind a shaped link, with the driver
+    connected to it (a Ray already initialized in the process is shut down first). The
+    module's ``netns`` marker sets its arguments, e.g.
+    ``pytestmark = pytest.mark.netns(nodes=2, rate="1gbit", cpus=2)``. Skipped, with the
+    reason, where namespaces cannot be made (not root, no ``ip``/``tc``). Everything it made
+    is removed at the end of the module (and at exit, or by the next start, after a crash).
+
 Example (``tests/test_mine.py``)::
 
     import numpy as np
@@ -52,7 +61,8 @@ import pytest
 if TYPE_CHECKING:  # imported lazily at run time: loading the plugin must not import Ray
     from raycoll.testing import RankPool
 
-__all__ = ["raycoll_ray", "raycoll_ranks", "pytest_addoption"]
+__all__ = ["raycoll_ray", "raycoll_ranks", "raycoll_netns", "pytest_addoption",
+           "pytest_configure"]
 
 _NUM_CPUS = "raycoll_num_cpus"
 _MAX_WORLD_SIZE = "raycoll_max_world_size"
@@ -64,6 +74,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="4")
     parser.addini(_MAX_WORLD_SIZE, "actors in the raycoll_ranks pool (the largest world_size)",
                   default="4")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``netns`` marker that ``raycoll_netns`` reads."""
+    config.addinivalue_line(
+        "markers", "netns(**kwargs): a Ray cluster in network namespaces (raycoll_netns; "
+        "kwargs go to raycoll.testing_netns.NetnsCluster)")
 
 
 def _positive_int(config: pytest.Config, name: str) -> int:
@@ -112,3 +129,27 @@ def raycoll_ranks(_raycoll_pool: "RankPool", request: pytest.FixtureRequest) -> 
 
         cloudpickle.register_pickle_by_value(module)
     return _raycoll_pool
+
+
+@pytest.fixture(scope="module")
+def raycoll_netns(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A Ray cluster in network namespaces, the driver connected (see the module docstring)."""
+    from raycoll.testing_netns import NetnsCluster, netns_unavailable
+
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+    import ray
+
+    marker = request.node.get_closest_marker("netns")
+    kwargs = dict(marker.kwargs) if marker is not None else {}
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = NetnsCluster(**kwargs).start()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()

@@ -8,7 +8,9 @@ re-raised as :class:`raycoll.SpawnError`, after the others were released);
 options, as ``create_group`` takes them. Actors that died are replaced before the next run,
 and all of them after a Ray restart (``ray.shutdown()`` and ``ray.init()``: the pool's
 actors belong to the session they were started in). ``local_ray`` starts a small local Ray
-if none is running.
+if none is running. :class:`NetnsCluster` (from :mod:`raycoll.testing_netns`) is a Ray
+cluster whose worker nodes live in network namespaces behind shaped links, for tests and
+benchmarks that need a real network on one machine (root only).
 
 With pytest, the ``raycoll`` plugin (:mod:`raycoll.pytest_plugin`, installed with raycoll and
 loaded automatically) gives these as fixtures::
@@ -39,8 +41,9 @@ import ray
 from raycoll import session
 from raycoll.launch import RankWorker, run_on, start_ray
 from raycoll.options import GroupOptions, OptionsLike
+from raycoll.testing_netns import NetnsCluster
 
-__all__ = ["RankPool", "local_ray"]
+__all__ = ["RankPool", "local_ray", "NetnsCluster"]
 
 _Worker = ray.remote(RankWorker)
 

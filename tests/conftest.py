@@ -1,7 +1,8 @@
 """Test fixtures: one real local Ray per session, a pool of reusable rank actors.
 
 Tests marked ``cluster`` start their own multi-node Ray (``ray.cluster_utils.Cluster``); they
-are moved to the end of the run, where the session's local Ray is shut down for them.
+are moved to the end of the run, where the session's local Ray is shut down for them; tests
+marked ``netns`` (a cluster in network namespaces, raycoll.testing_netns) come after them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def pytest_runtest_setup(item):  # noqa: D103 - pytest hook
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
-    items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+    # cluster tests, then netns tests (each replaces the session's Ray with a cluster of its own)
+    items.sort(key=lambda item: 2 if item.get_closest_marker("netns")
+               else 1 if item.get_closest_marker("cluster") else 0)
     # Test modules are not importable inside Ray workers: ship their functions by value.
     modules = {item.module for item in items if getattr(item, "module", None) is not None}
     for module in modules | {helpers}:

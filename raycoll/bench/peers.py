@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import ray
@@ -61,6 +61,8 @@ CHUNKED_OPS: FrozenSet[str] = frozenset(OPS) - {
     "all_reduce", "broadcast", "reduce", "barrier", "send_recv",
 }  # fmt: skip
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: A peer's rank placement: one ``.options()`` dict for all ranks, or one per rank.
+ActorOptions = Union[None, Dict[str, Any], Sequence[Optional[Dict[str, Any]]]]
 
 
 class NotSupportedByPeer(Exception):
@@ -256,8 +258,11 @@ class _RankActor:
             return int(sock.getsockname()[1])
 
     def init(self, rendezvous: Dict[str, Any]) -> None:
-        if rendezvous.get("ifname"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", rendezvous["ifname"])
+        # The interface: the driver's choice, else this rank's own RAYCOLL_SOCKET_IFNAME
+        # (set per node, e.g. by raycoll.testing_netns: each node's own veth).
+        ifname = rendezvous.get("ifname") or os.environ.get("RAYCOLL_SOCKET_IFNAME")
+        if ifname:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         timeout = timedelta(seconds=rendezvous["timeout_s"])
         if self.kind == "gloo":
             import torch.distributed as dist
@@ -322,8 +327,10 @@ class Peer(abc.ABC):
     supported_ops: FrozenSet[str] = frozenset()
 
     @abc.abstractmethod
-    def setup(self, world_size: int, actor_options: Optional[Dict[str, Any]] = None) -> None:
-        """Start ``world_size`` rank actors (``num_cpus=0`` unless overridden), form the group."""
+    def setup(self, world_size: int, actor_options: ActorOptions = None) -> None:
+        """Start ``world_size`` rank actors (``num_cpus=0`` unless overridden), form the group.
+        ``actor_options``: one dict for every rank, or a list of one dict per rank (to place
+        each rank on a node of its own choosing)."""
 
     @abc.abstractmethod
     def run(self, op: str, nbytes: int, dtype: str, iters: int, warmup: int) -> List[float]:
@@ -353,15 +360,21 @@ class _ActorPeer(Peer):
         self.world_size = 0
         self._actors: List[Any] = []
 
-    def setup(self, world_size: int, actor_options: Optional[Dict[str, Any]] = None) -> None:
+    def setup(self, world_size: int, actor_options: ActorOptions = None) -> None:
         if self._actors:
             raise RuntimeError(f"{self.name}: setup() called twice; call close() first")
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: expected an int >= 1; got {world_size!r}")
-        options = {"num_cpus": 0, **(actor_options or {})}
+        if actor_options is None or isinstance(actor_options, dict):
+            per_rank = [{"num_cpus": 0, **(actor_options or {})}] * world_size
+        else:
+            if len(actor_options) != world_size:
+                raise ValueError(f"actor_options: expected one dict per rank ({world_size}); "
+                                 f"got {len(actor_options)}")
+            per_rank = [{"num_cpus": 0, **(o or {})} for o in actor_options]
         self.world_size = world_size
         self._actors = [
-            _RankRemote.options(**options).remote(self.name, rank, world_size)
+            _RankRemote.options(**per_rank[rank]).remote(self.name, rank, world_size)
             for rank in range(world_size)
         ]
         try:

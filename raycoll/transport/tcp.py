@@ -195,6 +195,9 @@ class TcpTransport(RoundTransport):
     def _shut(self) -> None:
         self.links.close(ABORT)  # broken: the peers must fail too
         if self.node_lane is not None:
+            # closed: its channel must not go back to the pool at close() (the next group
+            # among the same actors would take a closed channel and fail "Channel closed")
+            self.node_lane._poisoned = True
             self.node_lane._shut()
 
     def reject(self, call: "Call", message: str) -> None:

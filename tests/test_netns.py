@@ -1,0 +1,212 @@
+"""A real network on one machine (raycoll.testing_netns): Ray worker nodes in network
+namespaces behind shaped veth links. Ranks listen on their namespace's veth; a node's link
+taken down while its ranks live fails every rank with a named error within the group's
+bound, and a group formed again afterwards works; a partition between two halves does the
+same; the harness leaves the machine's network and processes as it found them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, Iterator, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+from raycoll import testing_netns
+from raycoll.launch import RankWorker
+
+pytestmark = [pytest.mark.netns(nodes=2, rate="1gbit", cpus=2, object_store_memory=200 * 2 ** 20)]
+
+Worker = ray.remote(RankWorker)
+#: The group's collective timeout in the fault tests (seconds).
+TIMEOUT_S = 4.0
+#: Every rank's error must come within this long of the fault (the collective timeout, the
+#: coordinator's answer, and this machine's noise: 2 cores shared).
+BOUND_S = TIMEOUT_S + 20.0
+
+
+@pytest.fixture(scope="module")
+def machine_before() -> Dict[str, Any]:
+    """The machine's namespaces, links, addresses, routes and marked processes before the
+    cluster starts (requested before ``raycoll_netns``)."""
+    reason = testing_netns.netns_unavailable()
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+    return testing_netns.netns_snapshot()
+
+
+def test_a_crashed_clusters_leftovers_are_swept(machine_before):
+    """What a killed owner leaves (a namespace, a veth pair, a process inside carrying the
+    marker) is removed by the next start's sweep; nothing else is touched."""
+    import subprocess
+    import sys
+
+    tag = "fffe"
+    base = f"{testing_netns.PREFIX}{tag}"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    import os
+
+    os.makedirs(f"/tmp/{base}", exist_ok=True)
+    with open(f"/tmp/{base}/owner", "w") as f:
+        f.write(dead + "\n")
+    subprocess.run(["ip", "netns", "add", f"{base}-1"], check=True)
+    subprocess.run(["ip", "link", "add", f"{base}-1", "type", "veth", "peer", "name",
+                    f"{base}-1n"], check=True)
+    proc = subprocess.Popen(["ip", "netns", "exec", f"{base}-1", "sleep", "120"],
+                            env={**os.environ, testing_netns.MARKER_ENV: tag})
+    try:
+        deadline = time.time() + 10
+        while proc.pid not in testing_netns._marked_pids(tag) and time.time() < deadline:
+            time.sleep(0.05)
+        assert tag in testing_netns.sweep_stale()
+        assert proc.wait(timeout=10) != 0  # killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert testing_netns.netns_snapshot() == machine_before
+
+
+@pytest.fixture
+def team(machine_before, raycoll_netns) -> Iterator[List[Any]]:
+    """Four fresh rank actors for each test: ranks 0, 1 on node 1, ranks 2, 3 on node 2."""
+    cluster = raycoll_netns
+    actors = [Worker.options(**cluster.actor_options(i)).remote() for i in (1, 1, 2, 2)]
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
+    yield actors
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _where(rank: int) -> Dict[str, Any]:
+    import os
+
+    from raycoll.groups import world
+    from raycoll.transport.links import listen_address
+
+    x = np.full(1 << 18, rank + 1.0, np.float32)  # 1 MiB
+    raycoll.all_reduce(x)
+    group = next(iter(world().groups.values()))
+    return {"ifname": os.environ.get("RAYCOLL_SOCKET_IFNAME"), "listen": listen_address(),
+            "addresses": [a[0] for a in group.context.addresses], "sum": float(x[0])}
+
+
+def test_ranks_listen_on_their_namespace_veth(raycoll_netns, team):
+    cluster = raycoll_netns
+    before = cluster.sent_bytes()
+    out = raycoll.launch.run_on(team, _where, group_name=f"where-{uuid.uuid4().hex[:6]}",
+                                timeout=60)
+    sent = {i: n - before[i] for i, n in cluster.sent_bytes().items()}
+    n1, n2 = cluster.node(1), cluster.node(2)
+    expect = [n1.address, n1.address, n2.address, n2.address]
+    assert [o["ifname"] for o in out] == [n1.ifname, n1.ifname, n2.ifname, n2.ifname]
+    assert [o["listen"] for o in out] == expect
+    assert all(o["addresses"] == expect for o in out)
+    assert all(o["sum"] == 10.0 for o in out)
+    # the 1 MiB crossed the links: each node sent at least its half of the array
+    assert min(sent.values()) >= (1 << 19), sent
+
+
+def _loop_all_reduce(rank: int, group: str, seconds: float, n: int) -> Dict[str, Any]:
+    """all_reduce ``n`` floats again and again until a call fails (or ``seconds`` pass)."""
+    x = np.ones(n, np.float32)
+    end = time.time() + seconds
+    calls = 0
+    while time.time() < end:
+        start = time.time()
+        try:
+            raycoll.all_reduce(x, group=group)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"type": type(exc).__name__, "raycoll": isinstance(exc, raycoll.RaycollError),
+                    "msg": str(exc)[:600], "failed_at": time.time(), "calls": calls,
+                    "missing": list(getattr(exc, "missing", ())),
+                    "call_s": time.time() - start}
+        calls += 1
+    return {"type": None, "calls": calls}
+
+
+def _sum(rank: int, group: str) -> float:
+    x = np.full(1 << 18, rank + 1.0, np.float32)
+    raycoll.all_reduce(x, group=group)
+    return float(x[0])
+
+
+def _fault_then_reform(cluster, team, cut, restore, n: int = 1 << 20) -> List[Dict[str, Any]]:
+    """Run the loop (all_reduces of ``n`` floats) on every rank, apply ``cut`` mid-stream,
+    check each rank's error, apply ``restore``, then form a new group among the same actors
+    and all_reduce."""
+    name = f"fault-{uuid.uuid4().hex[:6]}"
+    raycoll.create_group(team, group_name=name, timeout=TIMEOUT_S)
+    refs = [a.run.remote(_loop_all_reduce, r, (name, 60.0, n), {}) for r, a in enumerate(team)]
+    time.sleep(2.5)  # the ranks are inside the loop of all_reduces
+    cut_at = time.time()
+    cut()
+    try:
+        # ranks on node 1 report across their working link; node 2's once it is back
+        first = ray.get(refs[:2], timeout=BOUND_S + 10)
+    finally:
+        restore()
+    results = first + ray.get(refs[2:], timeout=60)
+    for rank, res in enumerate(results):
+        assert res["type"] is not None and res["raycoll"], (rank, res)
+        assert res["failed_at"] - cut_at < BOUND_S, (rank, res)
+    raycoll.destroy_group(name)
+    again = f"again-{uuid.uuid4().hex[:6]}"
+    # node lanes on (each node's 2 ranks fit its cores): a broken group's node-lane channel
+    # once went back to the actors' pool closed, and this group failed "Channel closed"
+    raycoll.create_group(team, group_name=again, timeout=60)
+    try:
+        sums = ray.get([a.run.remote(_sum, r, (again,), {}) for r, a in enumerate(team)],
+                       timeout=60)
+    finally:
+        raycoll.destroy_group(again)
+    assert sums == [10.0] * 4
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_link_down_fails_every_rank_then_a_new_group_works(raycoll_netns, team):
+    cluster = raycoll_netns
+    results = _fault_then_reform(cluster, team, lambda: cluster.link_down(2),
+                                 lambda: cluster.link_up(2))
+    assert all(r["calls"] > 0 for r in results), results  # the link went down mid-stream
+    print([(r["type"], round(r["call_s"], 1), r["msg"][:200]) for r in results])
+
+
+@pytest.mark.timeout(150)
+def test_partition_between_two_halves_fails_every_rank_then_heals(raycoll_netns, team):
+    """Node 1 and node 2 each still reach the head (and the coordinator), not each other."""
+    cluster = raycoll_netns
+    results = _fault_then_reform(cluster, team, lambda: cluster.partition([1], [2]),
+                                 lambda: cluster.heal([1], [2]))
+    print([(r["type"], round(r["call_s"], 1), r["msg"][:300]) for r in results])
+    assert all(r["type"] == "DistTimeoutError" for r in results), results
+
+
+@pytest.mark.timeout(150)
+def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_netns, team):
+    """64 MiB all_reduces at 1 Gbit/s; node 2's link drops to 1 Mbit/s (the next one would
+    take minutes): every rank's call times out, naming the collective and the slow node's
+    ranks; none hangs."""
+    cluster = raycoll_netns
+    results = _fault_then_reform(cluster, team, lambda: cluster.set_rate(2, "1mbit"),
+                                 lambda: cluster.set_rate(2, "1gbit"), n=1 << 24)
+    print([(r["type"], round(r["call_s"], 1), r["msg"][:300]) for r in results])
+    for res in results:
+        assert res["type"] == "DistTimeoutError", res
+        assert "all_reduce #" in res["msg"], res
+        # the ranks named are the slow node's (ranks 2 and 3), never the fast one's
+        assert res["missing"] and set(res["missing"]) <= {2, 3}, res
+
+
+def test_teardown_leaves_the_machine_as_found(machine_before, raycoll_netns):
+    """Last in the module: the cluster's teardown (the fixture's, done here to check it)
+    leaves no namespace, link, address, route or process of its own."""
+    assert testing_netns.netns_snapshot() != machine_before  # the cluster is up
+    ray.shutdown()
+    raycoll_netns.shutdown()
+    assert testing_netns.netns_snapshot() == machine_before
