@@ -83,6 +83,12 @@ class CoordinatorClient:
         ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s)
         return self.wait(ref, timeout_s, group=self.group_name, rank=rank, op="rendezvous")
 
+    def assign(self, group_name: str, world_size: int, timeout_s: float) -> None:
+        """Make a coordinator started ahead without a group the one of ``group_name``
+        (:mod:`raycoll.coordinator.spare`); waits until it answers (it may still be
+        starting)."""
+        self.wait(self.handle.assign.remote(group_name, world_size), timeout_s, op="assign")
+
     def hold_lease(self, rank: int, generation: int) -> None:
         """Hold this rank's lease on the coordinator (see :mod:`raycoll.coordinator.liveness`):
         if this process dies, the coordinator learns it at once and fails the rank's peers.
