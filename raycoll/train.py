@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -167,11 +168,14 @@ class _RaycollBackend(Backend):
         name = f"raytrain-{self._run}-{self._generation}"
         actors = [w.actor for w in worker_group.get_workers()]
         worker_group.execute(_export, name)
+        ahead = spare.pending() is not None
+        start = time.perf_counter()
         raycoll.create_group(actors, backend=backend_config.raycoll_backend, group_name=name,
                              timeout=float(backend_config.timeout_s),
                              options=backend_config._checked)
         self._live.append(name)
-        logger.info("raycoll group %r formed over %d Ray Train workers", name, len(actors))
+        logger.info("raycoll group %r formed over %d Ray Train workers in %.3f s (coordinator "
+                    "started ahead: %s)", name, len(actors), time.perf_counter() - start, ahead)
         worker_group.execute(_init_torch, float(backend_config.timeout_s))
 
     def on_training_start(self, worker_group: Any, backend_config: Any) -> None:

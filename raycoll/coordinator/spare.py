@@ -47,7 +47,7 @@ from raycoll.coordinator.logic import coordinator_name
 logger = logging.getLogger("raycoll")
 
 __all__ = ["Spare", "ENV", "enabled", "pending", "take", "assign", "put_back", "refill", "release", "claim",
-           "unclaim", "find", "counts"]
+           "unclaim", "find", "claimed", "counts"]
 
 #: The environment variable that turns spares off (``0``).
 ENV = "RAYCOLL_SPARE_COORDINATOR"
@@ -201,12 +201,20 @@ def unclaim(job: str, group_name: str, spare_name: str) -> None:
 def find(job: str, group_name: str) -> Optional[Any]:
     """The handle of the live coordinator of root group ``group_name`` in job ``job``,
     formed by any process of the job; ``None`` if there is none."""
+    try:
+        return ray.get_actor(coordinator_name(job, group_name))
+    except ValueError:
+        return claimed(job, group_name)
+
+
+def claimed(job: str, group_name: str) -> Optional[Any]:
+    """The handle of the live coordinator that :func:`claim` recorded for ``group_name`` in
+    job ``job`` (a group formed with ``create_group``); ``None`` if there is none."""
     key = coordinator_name(job, group_name)
     try:
-        return ray.get_actor(key)
-    except ValueError:
-        pass
-    held = _kv()._internal_kv_get(key, namespace=_NAMESPACE)
+        held = _kv()._internal_kv_get(key, namespace=_NAMESPACE)
+    except errors.RaySessionError:  # no key-value store here: no group claimed a name
+        return None
     if held is None:
         return None
     try:
