@@ -47,7 +47,6 @@ _TEARDOWN_S = 10.0
 class _DriverGroup:
     spec: GroupSpec
     actors: List[ActorHandle]
-    coordinator_name: str = ""  # its Ray actor name (raycoll.coordinator.spare)
 
 
 #: The groups this process formed, by name, each of the Ray session it was formed in (read by
@@ -111,7 +110,6 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
             spare.put_back(coordinator, now)
             coordinator = None
             raise ValueError(f"group {group_name!r} already exists in this job")
-        spare.assign(coordinator, group_name, len(actors), seconds)
         spec = GroupSpec(group_name, len(actors), backend, seconds, coordinator.handle,
                          group_options)
         refs = [_submit(a, rank, group_name, _join, spec, rank) for rank, a in enumerate(actors)]
@@ -119,10 +117,10 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     except BaseException:
         DRIVER_GROUPS.pop(group_name, now)
         if coordinator is not None:
-            spare.unclaim(now[1], group_name, coordinator.name)
+            spare.unclaim(now[1], group_name)
             _kill(coordinator.handle)
         raise
-    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors), coordinator.name), now)
+    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors)), now)
     spare.refill(now)  # the next group's coordinator, started while this one is used
 
 
@@ -208,7 +206,7 @@ def destroy_group(group_name: str = "default") -> None:
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
     if now is not None:  # the group's name is free again at once (its coordinator's
-        spare.unclaim(now[1], group_name, entry.coordinator_name)  # own name is unique)
+        spare.unclaim(now[1], group_name)  # own name is unique)
     if entry.spec.coordinator is not None:
         _kill(entry.spec.coordinator)
 

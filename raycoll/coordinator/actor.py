@@ -32,18 +32,14 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
-    def assign(self, group_name: str, world_size: int) -> Result:
-        """Make this coordinator, started ahead without a group (:mod:`.spare`), the one of
-        root group ``group_name`` of ``world_size`` ranks. Once only: a coordinator serves
-        one group for its whole life."""
-        if self._group_name:
-            return err("value", f"this coordinator already serves group {self._group_name!r}; "
-                       f"it cannot take group {group_name!r} too")
-        self._group_name, self._world_size = group_name, world_size
-        return ok()
+    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float,
+                         group_name: str = "") -> Result:
+        """Register ``rank``; return every rank's info once all ``world_size`` have arrived.
 
-    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
-        """Register ``rank``; return every rank's info once all ``world_size`` have arrived."""
+        A coordinator started ahead (:mod:`.spare`) serves no group yet: the first rank to
+        arrive makes it group ``group_name``'s, of ``world_size`` ranks, for good."""
+        if not self._group_name:
+            self._group_name, self._world_size = group_name, world_size
         if world_size != self._world_size:
             return err(
                 "value",

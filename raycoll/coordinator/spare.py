@@ -3,8 +3,9 @@
 A coordinator is a Ray actor, so a process of its own: Ray takes 0.3-0.7 s to start one,
 which was most of :func:`raycoll.create_group`'s time over live actors (and of a Ray Train
 restart). So the process that forms groups keeps one coordinator started ahead, its *spare*:
-:func:`take` hands it to the next group (:meth:`Coordinator.assign
-<raycoll.coordinator.actor.Coordinator.assign>`), and :func:`refill` starts the next one,
+:func:`take` hands it to the next group (whose first rank to rendezvous makes it that
+group's, :meth:`Coordinator.rendezvous <raycoll.coordinator.actor.Coordinator.rendezvous>`),
+and :func:`refill` starts the next one,
 which Ray brings up in the background while the caller goes on. A process's first group
 starts its coordinator then (there is no spare yet), unless :func:`refill` ran earlier (the
 Ray Train backend calls it as soon as it reaches its controller). Each coordinator still
@@ -40,13 +41,12 @@ from typing import Any, Dict, Optional
 import ray
 
 from raycoll import errors, session
-from raycoll.coordinator.actor import _START_TIMEOUT_S, _RemoteCoordinator, _here
-from raycoll.coordinator.client import CoordinatorClient
+from raycoll.coordinator.actor import _RemoteCoordinator, _here
 from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Spare", "ENV", "enabled", "pending", "take", "assign", "put_back", "refill", "release", "claim",
+__all__ = ["Spare", "ENV", "enabled", "pending", "take", "put_back", "refill", "release", "claim",
            "unclaim", "find", "claimed", "counts"]
 
 #: The environment variable that turns spares off (``0``).
@@ -130,13 +130,6 @@ def take(now: session.SessionKey) -> Spare:
     return spare if spare is not None else _start(now[1])
 
 
-def assign(spare: Spare, group_name: str, world_size: int, timeout_s: float) -> None:
-    """Make ``spare`` the coordinator of ``group_name``; waits (up to ``timeout_s``) for it
-    to answer, i.e. to have started. Raises ``CoordinatorDiedError`` if it is dead."""
-    CoordinatorClient(spare.handle, group_name).assign(group_name, world_size,
-                                                       min(timeout_s, _START_TIMEOUT_S))
-
-
 def release() -> None:
     """End this process's spare coordinator now, if it has one (of the session connected)."""
     with _LOCK:
@@ -187,13 +180,10 @@ def claim(job: str, group_name: str, spare: Spare) -> bool:
     return True
 
 
-def unclaim(job: str, group_name: str, spare_name: str) -> None:
-    """Forget that ``spare_name`` is the coordinator of ``group_name`` (if it still is)."""
-    try:
-        kv = _kv()
-        key = coordinator_name(job, group_name)
-        if kv._internal_kv_get(key, namespace=_NAMESPACE) == spare_name.encode():
-            kv._internal_kv_del(key, namespace=_NAMESPACE)
+def unclaim(job: str, group_name: str) -> None:
+    """Forget the coordinator of ``group_name`` :func:`claim` recorded, before it is ended."""
+    try:  # the entry is ours while our coordinator lives (claim() keeps a live one's)
+        _kv()._internal_kv_del(coordinator_name(job, group_name), namespace=_NAMESPACE)
     except Exception as exc:  # noqa: BLE001 - Ray is down: the entry went with its job
         logger.debug("raycoll: forgetting the coordinator of %r failed: %s", group_name, exc)
 
