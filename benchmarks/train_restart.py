@@ -61,12 +61,15 @@ def _controller_logs() -> Set[Path]:
 
 
 def _on_start_times(logs: Set[Path]) -> List[float]:
-    """The seconds of each worker group's backend ``on_start`` in a run's controller log
-    (Ray Train logs each callback's time, to 0.01 s, as "BackendSetupCallback: 0.04s")."""
+    """The seconds of each worker group's backend ``on_start`` in a run's controller log:
+    Ray Train logs each callback's time in ``after_worker_group_start``, to 0.01 s, as
+    "BackendSetupCallback: 0.04s" (its ``after_worker_group_training_start`` line, also
+    naming BackendSetupCallback, is ``on_training_start``'s)."""
     times: List[float] = []
     for path in logs:
-        times += [float(v) for v in re.findall(r"BackendSetupCallback: ([0-9.]+)s",
-                                                path.read_text())]
+        for line in path.read_text().splitlines():
+            if "after_worker_group_start callbacks" in line:
+                times += [float(v) for v in re.findall(r"BackendSetupCallback: ([0-9.]+)s", line)]
     return times
 
 

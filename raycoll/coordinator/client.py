@@ -280,6 +280,6 @@ def pack_handle(handle: "ray.actor.ActorHandle") -> bytes:
     return ray.cloudpickle.dumps(handle)
 
 
-def unpack_handle(packed: Any) -> Optional["ray.actor.ActorHandle"]:
+def unpack_handle(packed: Any) -> Any:
     """The actor handle :func:`pack_handle` packed (``None`` stays ``None``)."""
     return ray.cloudpickle.loads(packed) if isinstance(packed, bytes) else packed

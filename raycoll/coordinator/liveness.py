@@ -194,8 +194,8 @@ class LivenessMixin(CoordinatorState):
         try:
             if isinstance(actor, bytes):  # packed by the rank (client.pack_handle): reading it
                 # may import the rank's class, so not on the event loop; once per rank
-                actor = await asyncio.get_running_loop().run_in_executor(None, unpack_handle, actor)
-                member["actor"] = actor
+                actor = member["actor"] = await asyncio.get_running_loop().run_in_executor(
+                    None, unpack_handle, actor)
             await actor.__ray_ready__.remote()
         except ray.exceptions.ActorUnavailableError:
             pass  # restarting or unreachable for now; its lease tells if its process died
