@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional
 
 import ray
@@ -59,10 +59,11 @@ _KEY = "next"  # the one spare of a session, in _SPARES
 
 @dataclass(frozen=True)
 class Spare:
-    """A coordinator started ahead: its handle and its Ray actor name."""
+    """A coordinator: its handle, its Ray actor name, and whether it was started ahead."""
 
     handle: Any
     name: str
+    ahead: bool = True
 
 
 _SPARES: session.SessionRecords[Spare] = session.SessionRecords("spare coordinator")
@@ -112,10 +113,12 @@ def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
 
 
 def put_back(spare: Spare, now: session.SessionKey) -> None:
-    """Return a spare that :func:`take` handed out but no group used (it was not assigned):
-    it stays the spare, or is ended if another took its place."""
+    """Return a coordinator that :func:`take` handed out but no group used (its name was
+    taken): it becomes the spare, or is ended if there is one already."""
     with _LOCK:
-        kept = _SPARES.add(_KEY, spare, now)
+        kept = _SPARES.add(_KEY, replace(spare, ahead=True), now)
+        if kept and spare.ahead:
+            _COUNTS["taken"] -= 1
     if not kept:
         _kill(spare.handle)
 
@@ -127,7 +130,7 @@ def take(now: session.SessionKey) -> Spare:
         spare = _SPARES.pop(_KEY, now)
         if spare is not None:
             _COUNTS["taken"] += 1
-    return spare if spare is not None else _start(now[1])
+    return spare if spare is not None else replace(_start(now[1]), ahead=False)
 
 
 def release() -> None:
