@@ -35,7 +35,7 @@ import numpy as np
 import ray
 
 import raycoll
-from raycoll.coordinator import coordinator_name
+from raycoll.coordinator.spare import find as find_coordinator
 from raycoll.launch import RankWorker
 
 __all__ = ["SoakConfig", "SoakReport", "run", "store_used", "store_created", "rss_bytes", "main"]
@@ -265,7 +265,7 @@ def run(cfg: SoakConfig, log: Any = print) -> SoakReport:
             raycoll.create_group(actors, group_name=name, timeout=600,
                                  options={"stream": g % 2 == 0})
             teams.append((name, actors))
-        coordinators = [ray.get_actor(coordinator_name(job, name)) for name, _ in teams]
+        coordinators = [find_coordinator(job, name) for name, _ in teams]
         coordinator_pids = ray.get([c.__ray_call__.remote(_coordinator_pid) for c in coordinators],
                                    timeout=60)
         conf = asdict(cfg)

@@ -17,7 +17,7 @@ import ray
 
 from raycoll import errors
 from raycoll.backends import backend_config
-from raycoll.coordinator import coordinator_name, start_coordinator
+from raycoll.coordinator import coordinator_name, spare, start_coordinator
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec, ProcessGroup
 from raycoll.session import ENDED
 from raycoll.world import (
@@ -140,8 +140,10 @@ def join_named_group(group_name: str, size: int, rank: int, backend: Optional[st
             make_default = w.default is None
     attempts = _RENDEZVOUS_ATTEMPTS
     while True:
-        handle = start_coordinator(group_name, size, coordinator_name(job, group_name),
-                                   get_if_exists=True)
+        # a group the driver formed under this name (then this rank is refused, as one
+        # that was not made part of it), else the group's own coordinator, by name
+        handle = spare.claimed(job, group_name) or start_coordinator(
+            group_name, size, coordinator_name(job, group_name), get_if_exists=True)
         spec = GroupSpec(group_name, size, backend, seconds, handle, by_name=True)
         try:
             return join_root_group(spec, rank, make_default=make_default)

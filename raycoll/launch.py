@@ -1,8 +1,9 @@
 """Driver side: form groups among existing actors, run SPMD functions, tear groups down.
 
-``create_group(actors, ...)`` starts the group's coordinator (owned by the driver, named and
-namespaced by the job so two jobs never meet) and has every actor join it, in list order, via
-Ray's ``__ray_call__`` (so any actor class works unchanged). ``spawn(fn, world_size, ...)``
+``create_group(actors, ...)`` gives the group a coordinator (owned by the driver, its name
+namespaced by the job so two jobs never meet; the one started ahead when there is one, see
+:mod:`raycoll.coordinator.spare`) and has every actor join it, in list order, via Ray's
+``__ray_call__`` (so any actor class works unchanged). ``spawn(fn, world_size, ...)``
 is ``torch.multiprocessing.spawn`` for Ray: it starts the actors, forms the group, runs
 ``fn(rank, *args)`` everywhere, returns the results in rank order and cleans up.
 
@@ -28,7 +29,7 @@ from ray.actor import ActorHandle
 from raycoll import errors, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
-from raycoll.coordinator import CoordinatorClient, coordinator_name, start_coordinator
+from raycoll.coordinator import CoordinatorClient, spare
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.world import join_root_group, world
 from raycoll.options import GroupOptions, OptionsLike
@@ -102,21 +103,25 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     if not DRIVER_GROUPS.add(group_name, placeholder, now):
         raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
                          "first or pick another group_name")
-    handle = None
+    coordinator: Optional[spare.Spare] = None
     try:
-        try:
-            handle = start_coordinator(group_name, len(actors), coordinator_name(now[1], group_name))
-        except ValueError as exc:  # the name is taken: another process of this job made it
-            raise ValueError(f"group {group_name!r} already exists in this job") from exc
-        spec = GroupSpec(group_name, len(actors), backend, seconds, handle, group_options)
+        coordinator = spare.take(now)  # started ahead, or now
+        if not spare.claim(now[1], group_name, coordinator):
+            spare.put_back(coordinator, now)
+            coordinator = None
+            raise ValueError(f"group {group_name!r} already exists in this job")
+        spec = GroupSpec(group_name, len(actors), backend, seconds, coordinator.handle,
+                         group_options)
         refs = [_submit(a, rank, group_name, _join, spec, rank) for rank, a in enumerate(actors)]
         _wait_joined(refs, seconds, group_name)
     except BaseException:
         DRIVER_GROUPS.pop(group_name, now)
-        if handle is not None:
-            _kill(handle)
+        if coordinator is not None:
+            spare.unclaim(now[1], group_name)
+            _kill(coordinator.handle)
         raise
     DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors)), now)
+    spare.refill(now)  # the next group's coordinator, started while this one is used
 
 
 def _submit(actor: ActorHandle, rank: int, group_name: str, fn: Callable[..., Any],
@@ -200,13 +205,10 @@ def destroy_group(group_name: str = "default") -> None:
             pass
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
-    coordinator = entry.spec.coordinator
-    if coordinator is not None:
-        _kill(coordinator)
-        try:  # wait for the name to be released, so the group can be formed again at once
-            ray.get(coordinator.__ray_ready__.remote(), timeout=_TEARDOWN_S)
-        except Exception:  # noqa: BLE001 - RayActorError (gone, as wanted), a timeout, ...
-            pass
+    if now is not None:  # the group's name is free again at once (its coordinator's
+        spare.unclaim(now[1], group_name)  # own name is unique)
+    if entry.spec.coordinator is not None:
+        _kill(entry.spec.coordinator)
 
 
 class RankWorker:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-import ray
 
 from raycoll import errors, session
-from raycoll.coordinator import CoordinatorClient, coordinator_name
+from raycoll.coordinator import CoordinatorClient, spare
 from raycoll.launch import DRIVER_GROUPS
 from raycoll.transport.base import report_period_s
 from raycoll.world import world
@@ -109,10 +108,9 @@ def _status_client(root: str) -> CoordinatorClient:
             f"group_status({root!r}): Ray is not initialized in this process"
             + (" (the group's Ray session has ended)" if ended else "")
             + "; call ray.init() and form the group again")
-    try:
-        return CoordinatorClient(ray.get_actor(coordinator_name(now[1], root)), root)
-    except ValueError:
-        pass
+    found = spare.find(now[1], root)
+    if found is not None:
+        return CoordinatorClient(found, root)
     if ended:
         raise errors.GroupNotFoundError(
             f"group_status({root!r}): the group was formed in a Ray session that has ended "

@@ -18,7 +18,9 @@ the one it is on gloo: ``prepare_model`` (DDP), ``prepare_data_loader``, ``ray.t
 
 Each worker group gets a group of its own name (``raytrain-<run>-<generation>``): after a
 restart the new workers rendezvous with a new coordinator, and nothing of the old group can
-be read. The group is destroyed in ``on_shutdown``; when Ray Train aborts a worker group (a
+be read. That coordinator is started ahead (:mod:`raycoll.coordinator.spare`): the first
+when the backend reaches the controller, each next one once a group has formed; so forming
+a group over the workers, at the start and at every restart, waits for no new process. The group is destroyed in ``on_shutdown``; when Ray Train aborts a worker group (a
 worker died) it does not call the backend, so ``on_start`` of the next generation, and the
 ``__del__`` of the backend with the controller, destroy what is left of the previous one.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +43,7 @@ from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
 import raycoll
+from raycoll.coordinator import spare
 
 __all__ = ["RaycollConfig", "group_name", "get_group"]
 
@@ -146,17 +150,32 @@ class _RaycollBackend(Backend):
         self._generation = 0
         self._live: List[str] = []  # groups formed here and not destroyed yet
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Ray Train builds the backend in the driver and ships it to the run's controller
+        actor, where it forms every group: arriving there, it starts the coordinator of the
+        first group ahead (see :mod:`raycoll.coordinator.spare`), which comes up while Ray
+        Train places the workers."""
+        self.__dict__.update(state)
+        try:
+            if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+                spare.refill()
+        except Exception:  # noqa: BLE001 - only a head start: on_start forms the group anyway
+            logger.debug("raycoll: starting a coordinator ahead failed", exc_info=True)
+
     def on_start(self, worker_group: Any, backend_config: Any) -> None:
         self._destroy_all()  # an aborted generation's group: Ray Train does not shut it down
         self._generation += 1
         name = f"raytrain-{self._run}-{self._generation}"
         actors = [w.actor for w in worker_group.get_workers()]
         worker_group.execute(_export, name)
+        ahead = spare.pending() is not None
+        start = time.perf_counter()
         raycoll.create_group(actors, backend=backend_config.raycoll_backend, group_name=name,
                              timeout=float(backend_config.timeout_s),
                              options=backend_config._checked)
         self._live.append(name)
-        logger.info("raycoll group %r formed over %d Ray Train workers", name, len(actors))
+        logger.info("raycoll group %r formed over %d Ray Train workers in %.3f s (coordinator "
+                    "started ahead: %s)", name, len(actors), time.perf_counter() - start, ahead)
         worker_group.execute(_init_torch, float(backend_config.timeout_s))
 
     def on_training_start(self, worker_group: Any, backend_config: Any) -> None:

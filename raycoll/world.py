@@ -17,6 +17,7 @@ from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.coordinator.client import unpack_handle
 from raycoll.process_group import GroupSpec, ProcessGroup, _Root
 from raycoll.transport.tcp import listener
 
@@ -200,8 +201,8 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
                              spec.timeout_s)
     client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
-    root = _Root(spec.name, client, info["members"], spec.options, info.get("secret"),
-                 spec.by_name)
+    members = [dict(m, actor=unpack_handle(m.get("actor"))) for m in info["members"]]
+    root = _Root(spec.name, client, members, spec.options, info.get("secret"), spec.by_name)
     pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
                       config=config, timeout_s=spec.timeout_s, backend_name=spec.backend)
     w = world()

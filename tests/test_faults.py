@@ -16,7 +16,7 @@ import ray
 
 import raycoll
 from raycoll.backends.cpu import LANE_BYTES
-from raycoll.coordinator import coordinator_name
+from raycoll.coordinator.spare import find as find_coordinator
 from raycoll.launch import RankWorker
 
 from helpers import store_used
@@ -389,7 +389,7 @@ def test_stalled_rank_times_out_naming_it_and_its_last_collective(actors, form):
           f"{results[0]['msg']}")
     # liveness probes while they waited: at most one per rank (sync actors busy in a method
     # keep it queued, a no-op run when the method returns), never a stream
-    coordinator = ray.get_actor(coordinator_name(ray.get_runtime_context().get_job_id(), name))
+    coordinator = find_coordinator(ray.get_runtime_context().get_job_id(), name)
     sent = ray.get(coordinator.state_sizes.remote(), timeout=30)[1]["probes_sent"]
     assert 1 <= sent <= 3, sent
     ray.get(late, timeout=60)
@@ -468,7 +468,7 @@ def test_killed_coordinator_fails_every_waiting_rank_fast(actors, form):
     busy = _run(team[2], _sleep, 2, 300.0)
     refs = [_run(team[r], _all_reduce, r, name, 4) for r in (0, 1)]
     _wait_arrived(name, [0, 1], "all_reduce", 1)
-    coordinator = ray.get_actor(coordinator_name(ray.get_runtime_context().get_job_id(), name))
+    coordinator = find_coordinator(ray.get_runtime_context().get_job_id(), name)
     killed_at = time.time()
     ray.kill(coordinator, no_restart=True)
     for res in ray.get(refs, timeout=60):

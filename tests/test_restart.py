@@ -23,7 +23,7 @@ import pytest
 import ray
 
 import raycoll
-from raycoll.coordinator import coordinator_name
+from raycoll.coordinator.spare import find as find_coordinator
 from raycoll.launch import RankWorker
 from raycoll.session import ENDED_KEPT, SessionRecords
 
@@ -167,7 +167,7 @@ def team(ray_local) -> Any:
 
 
 def _coordinator(name: str) -> Any:
-    return ray.get_actor(coordinator_name(ray.get_runtime_context().get_job_id(), name))
+    return find_coordinator(ray.get_runtime_context().get_job_id(), name)
 
 
 def _kill_and_wait(actor: Any) -> None:

@@ -20,6 +20,8 @@ The package, by concern:
   (round-transport bookkeeping), :mod:`.join_state`, :mod:`.mailbox` (point to point) and
   :mod:`.liveness` (leases, probes, rank death).
 - :mod:`.client`: :class:`CoordinatorClient`, one typed method per RPC, every wait bounded.
+- :mod:`.spare`: the coordinator a driver keeps started ahead for its next group, and the
+  group names of the job.
 """
 
 from raycoll.coordinator.actor import Coordinator, start_coordinator

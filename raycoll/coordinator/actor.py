@@ -32,8 +32,14 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
-    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float) -> Result:
-        """Register ``rank``; return every rank's info once all ``world_size`` have arrived."""
+    async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float,
+                         group_name: str = "") -> Result:
+        """Register ``rank``; return every rank's info once all ``world_size`` have arrived.
+
+        A coordinator started ahead (:mod:`.spare`) serves no group yet: the first rank to
+        arrive makes it group ``group_name``'s, of ``world_size`` ranks, for good."""
+        if not self._group_name:
+            self._group_name, self._world_size = group_name, world_size
         if world_size != self._world_size:
             return err(
                 "value",

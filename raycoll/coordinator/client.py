@@ -26,7 +26,7 @@ from raycoll.coordinator.logic import first_line, unwrap
 from raycoll.native import native_available
 
 __all__ = ["CoordinatorClient", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
-           "PENDING_TIMEOUT_S", "rank_info"]
+           "PENDING_TIMEOUT_S", "rank_info", "pack_handle", "unpack_handle"]
 
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
 GRACE_S = 10.0
@@ -80,7 +80,8 @@ class CoordinatorClient:
                    timeout_s: float) -> Dict[str, Any]:
         """Join the group as ``rank`` (``info``: see :func:`rank_info`); waits up to
         ``timeout_s`` for every rank. Returns ``{"members", "generation", "secret"}``."""
-        ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s)
+        ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s,
+                                                             self.group_name)
         return self.wait(ref, timeout_s, group=self.group_name, rank=rank, op="rendezvous")
 
     def hold_lease(self, rank: int, generation: int) -> None:
@@ -256,14 +257,29 @@ class CoordinatorClient:
 def rank_info(address: Any = None) -> Dict[str, Any]:
     """What a rank tells the coordinator about itself at rendezvous; ``address``: where its
     peers reach it directly (its listener's, :func:`raycoll.transport.tcp.listener`), or
-    ``None``. (The coordinator imports no transport.)"""
+    ``None``; its actor handle packed (:func:`pack_handle`). (The coordinator imports no
+    transport.)"""
     ctx = ray.get_runtime_context()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
                             "time": time.time(), "addr": address,
                             "native": native_available()}
     try:
         info["actor_id"] = ctx.get_actor_id()
-        info["actor"] = ctx.current_actor if info["actor_id"] else None
+        info["actor"] = pack_handle(ctx.current_actor) if info["actor_id"] else None
     except Exception:  # noqa: BLE001 - not inside an actor (a driver or a task)
         info["actor"] = None
     return info
+
+
+def pack_handle(handle: "ray.actor.ActorHandle") -> bytes:
+    """A rank's actor handle as bytes, for the roster: the coordinator passes it on without
+    reading it. Ray loads an actor's class where its handle is read, and a rank's class may
+    be heavy to import (Ray Train's worker: 0.4 s), so only the ranks (which have it) and a
+    liveness probe (:mod:`.liveness`, rarely) read it (:func:`unpack_handle`). The rank's
+    owner (the driver, Ray Train's controller) holds the real handle while the group lives."""
+    return ray.cloudpickle.dumps(handle)
+
+
+def unpack_handle(packed: Any) -> Any:
+    """The actor handle :func:`pack_handle` packed (``None`` stays ``None``)."""
+    return ray.cloudpickle.loads(packed) if isinstance(packed, bytes) else packed

@@ -34,6 +34,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import ray
 
+from raycoll.coordinator.client import unpack_handle
 from raycoll.coordinator.logic import Result, death_cause, err, fmt_ranks, ok
 from raycoll.coordinator.state import CoordinatorState
 
@@ -191,6 +192,10 @@ class LivenessMixin(CoordinatorState):
             return
         self._probes_sent += 1
         try:
+            if isinstance(actor, bytes):  # packed by the rank (client.pack_handle): reading it
+                # may import the rank's class, so not on the event loop; once per rank
+                actor = member["actor"] = await asyncio.get_running_loop().run_in_executor(
+                    None, unpack_handle, actor)
             await actor.__ray_ready__.remote()
         except ray.exceptions.ActorUnavailableError:
             pass  # restarting or unreachable for now; its lease tells if its process died

@@ -1,0 +1,216 @@
+"""Coordinators started ahead, so that a group formed from a driver does not wait for one.
+
+A coordinator is a Ray actor, so a process of its own: Ray takes 0.3-0.7 s to start one,
+which was most of :func:`raycoll.create_group`'s time over live actors (and of a Ray Train
+restart). So the process that forms groups keeps one coordinator started ahead, its *spare*:
+:func:`take` hands it to the next group (whose first rank to rendezvous makes it that
+group's, :meth:`Coordinator.rendezvous <raycoll.coordinator.actor.Coordinator.rendezvous>`),
+and :func:`refill` starts the next one,
+which Ray brings up in the background while the caller goes on. A process's first group
+starts its coordinator then (there is no spare yet), unless :func:`refill` ran earlier (the
+Ray Train backend calls it as soon as it reaches its controller). Each coordinator still
+serves one root group: its state, and its failures, are that group's alone.
+
+**Lifetime.** A spare is an ordinary actor (not detached) of the process that started it,
+so Ray ends it with that process, or with its job (``ray.shutdown()``, the end of a
+``ray job submit`` job, a Ray Train controller's exit); :func:`release` ends it at once.
+This process's record of it belongs to the Ray session it was started in
+(:class:`raycoll.session.SessionRecords`): after ``ray.shutdown()`` or a new ``ray.init()``
+it is forgotten, never handed to a group of another session. ``RAYCOLL_SPARE_COORDINATOR=0``
+turns spares off: every group then starts its coordinator when it forms.
+
+**Names.** A group's coordinator is found by name from any process of the job
+(:func:`find`: ``raycoll.group_status``, tests), and a name is taken once per job. A spare's
+Ray actor name is its own (``raycoll:<job>:~spare-<id>``), so :func:`claim` records the
+group's name (:func:`raycoll.coordinator.coordinator_name`) in Ray's key-value store (the
+GCS's, namespace ``raycoll``), pointing at it, and :func:`unclaim` removes it when the group
+is destroyed. An entry whose coordinator is dead (its driver exited without destroying the
+group) counts as free. Coordinators that ranks start by name (``init_process_group`` in
+actors) keep their Ray name, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Optional
+
+import ray
+
+from raycoll import errors, session
+from raycoll.coordinator.actor import _RemoteCoordinator, _here
+from raycoll.coordinator.logic import coordinator_name
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["Spare", "ENV", "enabled", "pending", "take", "put_back", "refill", "release", "claim",
+           "unclaim", "find", "claimed", "counts"]
+
+#: The environment variable that turns spares off (``0``).
+ENV = "RAYCOLL_SPARE_COORDINATOR"
+
+#: The key-value store's namespace for group names.
+_NAMESPACE = "raycoll"
+_KEY = "next"  # the one spare of a session, in _SPARES
+
+
+@dataclass(frozen=True)
+class Spare:
+    """A coordinator: its handle, its Ray actor name, and whether it was started ahead."""
+
+    handle: Any
+    name: str
+    ahead: bool = True
+
+
+_SPARES: session.SessionRecords[Spare] = session.SessionRecords("spare coordinator")
+_LOCK = threading.RLock()
+_COUNTS: Dict[str, int] = {"started": 0, "taken": 0}
+
+
+def counts() -> Dict[str, int]:
+    """How many coordinators this process started here (``started``), and how many groups
+    took one that had been started ahead (``taken``)."""
+    with _LOCK:
+        return dict(_COUNTS)
+
+
+def enabled() -> bool:
+    """Whether spares are on (``RAYCOLL_SPARE_COORDINATOR`` is not ``0``)."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
+def _start(job: str) -> Spare:
+    name = coordinator_name(job, f"~spare-{uuid.uuid4().hex[:12]}")
+    handle = _RemoteCoordinator.options(name=name, scheduling_strategy=_here()).remote("", 0)
+    with _LOCK:
+        _COUNTS["started"] += 1
+    return Spare(handle, name)
+
+
+def refill(now: Optional[session.SessionKey] = None) -> None:
+    """Start this process's spare coordinator if it has none (in session ``now``, default:
+    the one connected); returns at once, Ray starts the actor in the background. Nothing
+    when spares are off or Ray is not initialized."""
+    now = now or session.current()
+    if now is None or not enabled():
+        return
+    with _LOCK:
+        if _SPARES.get(_KEY, now) is not None:
+            return
+        spare = _start(now[1])
+        _SPARES.add(_KEY, spare, now)
+
+
+def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
+    """This process's spare coordinator of session ``now`` (default: the one connected),
+    not taken yet; ``None`` if it has none."""
+    with _LOCK:
+        return _SPARES.get(_KEY, now or session.current())
+
+
+def put_back(spare: Spare, now: session.SessionKey) -> None:
+    """Return a coordinator that :func:`take` handed out but no group used (its name was
+    taken): it becomes the spare, or is ended if there is one already."""
+    with _LOCK:
+        kept = _SPARES.add(_KEY, replace(spare, ahead=True), now)
+        if kept and spare.ahead:
+            _COUNTS["taken"] -= 1
+    if not kept:
+        _kill(spare.handle)
+
+
+def take(now: session.SessionKey) -> Spare:
+    """This process's spare of session ``now`` (taken: the next :func:`refill` starts
+    another), or a coordinator started now if there is none."""
+    with _LOCK:
+        spare = _SPARES.pop(_KEY, now)
+        if spare is not None:
+            _COUNTS["taken"] += 1
+    return spare if spare is not None else replace(_start(now[1]), ahead=False)
+
+
+def release() -> None:
+    """End this process's spare coordinator now, if it has one (of the session connected)."""
+    with _LOCK:
+        spare = _SPARES.pop(_KEY, session.current())
+    if spare is not None:
+        _kill(spare.handle)
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - a handle of a session that has ended
+        logger.debug("raycoll: ending a spare coordinator failed: %s", exc)
+
+
+# ---------------------------------------------------------------------- group names
+def _kv() -> Any:
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        raise errors.RaySessionError("Ray's key-value store is not reachable from this process "
+                                     "(Ray is not initialized, or this is a Ray Client "
+                                     "connection)")
+    return internal_kv
+
+
+def _alive(actor_name: str) -> bool:
+    try:
+        ray.get_actor(actor_name)
+        return True
+    except ValueError:  # no live actor of that name
+        return False
+
+
+def claim(job: str, group_name: str, spare: Spare) -> bool:
+    """Record ``spare`` as the coordinator of ``group_name`` in job ``job``; False if the
+    name is taken (a live coordinator of that name, from any process of the job)."""
+    key = coordinator_name(job, group_name)
+    if _alive(key):  # a coordinator started by name (init_process_group in actors)
+        return False
+    kv = _kv()
+    if not kv._internal_kv_put(key, spare.name, overwrite=False, namespace=_NAMESPACE):
+        return True
+    held = kv._internal_kv_get(key, namespace=_NAMESPACE)
+    if held is not None and _alive(held.decode()):
+        return False
+    kv._internal_kv_put(key, spare.name, overwrite=True, namespace=_NAMESPACE)  # stale: free
+    return True
+
+
+def unclaim(job: str, group_name: str) -> None:
+    """Forget the coordinator of ``group_name`` :func:`claim` recorded, before it is ended."""
+    try:  # the entry is ours while our coordinator lives (claim() keeps a live one's)
+        _kv()._internal_kv_del(coordinator_name(job, group_name), namespace=_NAMESPACE)
+    except Exception as exc:  # noqa: BLE001 - Ray is down: the entry went with its job
+        logger.debug("raycoll: forgetting the coordinator of %r failed: %s", group_name, exc)
+
+
+def find(job: str, group_name: str) -> Optional[Any]:
+    """The handle of the live coordinator of root group ``group_name`` in job ``job``,
+    formed by any process of the job; ``None`` if there is none."""
+    try:
+        return ray.get_actor(coordinator_name(job, group_name))
+    except ValueError:
+        return claimed(job, group_name)
+
+
+def claimed(job: str, group_name: str) -> Optional[Any]:
+    """The handle of the live coordinator that :func:`claim` recorded for ``group_name`` in
+    job ``job`` (a group formed with ``create_group``); ``None`` if there is none."""
+    key = coordinator_name(job, group_name)
+    try:
+        held = _kv()._internal_kv_get(key, namespace=_NAMESPACE)
+    except errors.RaySessionError:  # no key-value store here: no group claimed a name
+        return None
+    if held is None:
+        return None
+    try:
+        return ray.get_actor(held.decode())
+    except ValueError:
+        return None
