@@ -29,7 +29,7 @@ import numpy as np
 import ray
 
 import raycoll
-from raycoll.bench.peers import GlooPeer, _count
+from raycoll.bench.peers import GlooPeer, _count, timed_calls
 from raycoll.launch import RankWorker
 from raycoll.testing_netns import NetnsCluster, netns_unavailable
 
@@ -84,11 +84,7 @@ def _raycoll_bench(rank: int, group: str, op: str, count: int, world: int, iters
     for _ in range(warmup + 1):
         step()
     raycoll.barrier(group=group)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    times = timed_calls(step, iters)
     return times, other_node() - before
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import time
 import uuid
 from typing import Any, List
 
 import numpy as np
 import ray
+
+from raycoll.bench.peers import timed_calls
 
 OPS = ("allreduce", "allgather", "broadcast", "reducescatter")
 
@@ -56,12 +57,7 @@ class Rank:
         for _ in range(warmup):
             step()
         col.barrier(group)
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return times
+        return timed_calls(step, iters)
 
 
 def _size(text: str) -> int:

@@ -227,6 +227,16 @@ def _ray_collective_step(
     return send_recv
 
 
+def timed_calls(step: Callable[[], Any], iters: int) -> List[float]:
+    """Seconds each of ``iters`` calls of ``step`` took, each timed alone (``perf_counter``)."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def process_usage() -> Tuple[int, int]:
     """This process's resident memory (bytes) and open file descriptors (Linux /proc)."""
     try:
@@ -304,12 +314,7 @@ class _RankActor:
         for _ in range(warmup):
             step()
         sync()
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return times
+        return timed_calls(step, iters)
 
 
 _RankRemote: Any = ray.remote(num_cpus=0)(_RankActor)

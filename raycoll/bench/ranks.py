@@ -4,13 +4,12 @@ per-rank patterns, counting wrong output elements)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import ray
 
-from raycoll.bench.peers import OPS, process_usage
+from raycoll.bench.peers import OPS, process_usage, timed_calls
 
 __all__ = ["BenchRank", "BenchRankRemote", "pattern"]
 
@@ -180,12 +179,7 @@ class BenchRank:
             step()
         wrong = checked() if check else None
         raycoll.barrier(group=group)
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return times, wrong
+        return timed_calls(step, iters), wrong
 
 
 BenchRankRemote: Any = ray.remote(BenchRank)
