@@ -209,7 +209,7 @@ def _cost_model() -> Tuple[Callable[[Any], bool], str]:
         return True
 
     return ok, ("None or a dict of link costs like {'tcp': {'alpha': 5e-05, 'beta': 4e-10}} "
-                "(keys lane, unix, tcp, gamma; seconds >= 0)")
+                "(keys lane, unix, tcp, gamma, wake, nic; seconds >= 0)")
 
 
 _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
