@@ -204,7 +204,8 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
 
 
 @pytest.mark.timeout(150)
-def test_calibrate_on_the_cluster_measures_the_link_between_nodes(raycoll_netns):
+def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before,
+                                                                  raycoll_netns):
     """``raycoll-bench --calibrate --address``: its two ranks go to two nodes, so it prices
     ``tcp`` at the shaped link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket
     inside one node (what it measured before: Ray packed both ranks on one node)."""
@@ -220,9 +221,10 @@ def test_calibrate_on_the_cluster_measures_the_link_between_nodes(raycoll_netns)
                           capture_output=True, text=True, timeout=140, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(model) == {"tcp", "gamma"}, model
-    # 1 Gbit/s: 8 ns a byte over the link, half of it at each end; loopback: ~0.3 ns
+    assert set(model) == {"tcp", "gamma", "nic"}, model
+    # 1 Gbit/s: 8 ns a byte over the link (nic), half of it at each end; loopback: ~0.3 ns
     assert 2e-9 < model["tcp"]["beta"] < 12e-9, model
+    assert model["nic"] == 2 * model["tcp"]["beta"]
 
 
 def test_teardown_leaves_the_machine_as_found(machine_before, raycoll_netns):
