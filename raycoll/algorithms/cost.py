@@ -55,7 +55,8 @@ def _positive(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Link costs by class (``lane``, ``unix``, ``tcp``) and ``gamma``, seconds a reduced byte."""
+    """Link costs by class (``lane``, ``unix``, ``tcp``), ``gamma`` (seconds a reduced byte),
+    ``wake`` and ``nic`` (see the module docstring)."""
 
     links: Mapping[str, LinkCost] = field(default_factory=dict)
     gamma: float = 0.0
