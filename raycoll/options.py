@@ -93,8 +93,8 @@ class GroupOptions:
       algorithm of that collective over direct connections (the names of
       :data:`raycoll.algorithms.schedule.ALGORITHMS`), or ``None``: the cost model's choice;
     - ``cost_model``: the cost model's link costs, ``{"tcp": {"alpha": s, "beta": s},
-      "unix": ..., "gamma": s}`` (any subset; ``raycoll-bench --calibrate`` prints one), or
-      ``None``: the defaults measured here (:mod:`raycoll.algorithms.cost`);
+      "unix": ..., "gamma": s, "nic": s}`` (any subset; ``raycoll-bench --calibrate`` prints
+      one), or ``None``: the defaults measured here (:mod:`raycoll.algorithms.cost`);
     - ``put``: ``"auto"``, ``"combined"`` or ``"per_peer"``.
 
     GPU (:mod:`raycoll.backends.nccl`):
@@ -209,7 +209,7 @@ def _cost_model() -> Tuple[Callable[[Any], bool], str]:
         return True
 
     return ok, ("None or a dict of link costs like {'tcp': {'alpha': 5e-05, 'beta': 4e-10}} "
-                "(keys lane, unix, tcp, gamma; seconds >= 0)")
+                "(keys lane, unix, tcp, gamma, wake, nic; seconds >= 0)")
 
 
 _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {

@@ -157,6 +157,40 @@ def test_node_aware_all_reduce_wins_when_links_between_nodes_are_slow():
     assert choose("all_reduce", topo, 64 << 20, model=slow_between).startswith("hierarchical")
 
 
+#: What ``raycoll-bench --calibrate`` measured across two netns nodes on 1 Gbit/s links
+#: (benchmarks/results/netns_calibrate.txt): 1 byte each way took 2 beta = 8.4 ns.
+NETNS_1GBIT = {"tcp": {"alpha": 4.4e-4, "beta": 4.18e-9}, "gamma": 6.8e-11, "nic": 8.36e-9}
+
+
+def test_ranks_of_a_node_share_its_link_where_nic_is_set():
+    """2+2, root 0: binomial sends two 64 MiB messages out of node 0 at once (0->2, 1->3),
+    the node-aware broadcast one; over one shared 1 Gbit/s link, measured 1.13 s vs 0.56 s.
+    Without ``nic`` the model saw two ranks each sending once, a tie it gave to binomial."""
+    topo = Topology.from_sizes([2, 2])
+    calibrated = CostModel.of(NETNS_1GBIT)
+    times = predict("broadcast", topo, 64 << 20, model=calibrated)
+    assert times["binomial"] == pytest.approx(2 * times["hierarchical"], rel=0.05)
+    assert choose("broadcast", topo, 64 << 20, model=calibrated) == "hierarchical"
+    no_nic = CostModel.of({**NETNS_1GBIT, "nic": 0})
+    assert choose("broadcast", topo, 64 << 20, model=no_nic) == "binomial"
+    # one message across: the link term is the one-way time the calibration measured
+    assert times["hierarchical"] == pytest.approx(8.36e-9 * (64 << 20), rel=0.1)
+    # the default (nic 0: Ray nodes on one machine share no link) predicts as before
+    assert DEFAULT.nic == 0.0 and CostModel.of({"nic": 0}) == DEFAULT
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [4, 4]])
+def test_calibrated_on_a_shaped_network_the_model_picks_what_was_measured_fastest(sizes):
+    """The rows of benchmarks/results/netns_calibrate.txt: large all_reduce and broadcast go
+    node-aware, large all_gather and reduce_scatter ring."""
+    topo = Topology.from_sizes(sizes)
+    model = CostModel.of(NETNS_1GBIT)
+    assert choose("all_reduce", topo, 64 << 20, model=model).startswith("hierarchical")
+    assert choose("broadcast", topo, 64 << 20, model=model) == "hierarchical"
+    assert choose("all_gather", topo, 64 << 20, model=model) == "ring"
+    assert choose("reduce_scatter", topo, 64 << 20, model=model) == "ring"
+
+
 def test_every_rank_makes_the_same_choice_from_the_same_inputs():
     topo = Topology(["b", "a", "b", "a", "c"])  # node ids in any order
     picks = {choose("all_reduce", topo, nbytes) for nbytes in [4] * 5}
@@ -168,8 +202,9 @@ def test_cost_model_option_is_validated_and_laid_over_the_defaults():
     assert model.links["tcp"] == LinkCost(1e-5, DEFAULT.links["tcp"].beta)
     assert model.links["unix"] == DEFAULT.links["unix"] and model.gamma == 0.0
     assert CostModel.of(model.as_dict()) == model
+    assert CostModel.of({"nic": 8e-9}).nic == 8e-9
     for bad in ({"udp": {"alpha": 1}}, {"tcp": {"alpha": -1}}, {"tcp": 3},
-                {"tcp": {"alpha": float("nan")}}, {"tcp": {"latency": 1}}):
+                {"tcp": {"alpha": float("nan")}}, {"tcp": {"latency": 1}}, {"nic": -1}):
         with pytest.raises(ValueError, match="cost_model"):
             CostModel.of(bad)
         with pytest.raises(ValueError, match="group option cost_model"):

@@ -203,6 +203,30 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
         assert res["missing"] and set(res["missing"]) <= {2, 3}, res
 
 
+@pytest.mark.timeout(150)
+def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before,
+                                                                  raycoll_netns):
+    """``raycoll-bench --calibrate --address``: its two ranks go to two nodes, so it prices
+    ``tcp`` at the shaped link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket
+    inside one node (what it measured before: Ray packed both ranks on one node)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAYCOLL_SOCKET_IFNAME"}
+    proc = subprocess.run([sys.executable, "-m", "raycoll.bench", "--calibrate", "--address",
+                           raycoll_netns.address, "--sizes", "4,4M", "--iters", "3",
+                           "--warmup", "1", "--no-progress"],
+                          capture_output=True, text=True, timeout=140, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(model) == {"tcp", "gamma", "nic"}, model
+    # 1 Gbit/s: 8 ns a byte over the link (nic), half of it at each end; loopback: ~0.3 ns
+    assert 2e-9 < model["tcp"]["beta"] < 12e-9, model
+    assert model["nic"] == 2 * model["tcp"]["beta"]
+
+
 def test_teardown_leaves_the_machine_as_found(machine_before, raycoll_netns):
     """Last in the module: the cluster's teardown (the fixture's, done here to check it)
     leaves no namespace, link, address, route or process of its own."""

@@ -6,8 +6,13 @@ A step of a :class:`~raycoll.algorithms.schedule.Schedule` costs each rank
   + sum over the messages it receives (beta[link] * bytes, + gamma * bytes where it reduces)
 
 (a message is everything one rank sends one peer in one step; alpha is a message's latency
-and fixed overhead, beta the time a byte takes at each end, gamma a reduced byte). The step
-takes as long as its slowest rank; a schedule, the sum of its steps. :func:`choose` is the
+and fixed overhead, beta the time a byte takes at each end, gamma a reduced byte). Where
+``nic`` is set (seconds a byte takes through a node's network link, each way), the ranks of
+a node share that link: a step also costs each node ``nic`` times the bytes its ranks send
+to other nodes, and the bytes they receive from them (on a real network two ranks of a node
+sending across at once take twice as long; between Ray nodes on one machine, loopback, no
+link is shared: 0, the default). The step takes as long as its slowest rank or node link; a
+schedule, the sum of its steps. :func:`choose` is the
 model's minimum over a collective's algorithms for (bytes, node map); ties go to the
 algorithm listed first in :data:`~raycoll.algorithms.schedule.ALGORITHMS`. Every rank holds
 the same model and the same topology, so every rank makes the same choice.
@@ -50,13 +55,17 @@ def _positive(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Link costs by class (``lane``, ``unix``, ``tcp``) and ``gamma``, seconds a reduced byte."""
+    """Link costs by class (``lane``, ``unix``, ``tcp``), ``gamma`` (seconds a reduced byte),
+    ``wake`` and ``nic`` (see the module docstring)."""
 
     links: Mapping[str, LinkCost] = field(default_factory=dict)
     gamma: float = 0.0
     #: seconds every step costs on a node whose ranks outnumber its cores: a step waits for
     #: its ranks to be scheduled in turn (a chain of wake-ups), whatever it moves
     wake: float = 0.0
+    #: seconds a byte takes through a node's network link, each way, shared by its ranks
+    #: (0: no shared link, as between Ray nodes on one machine)
+    nic: float = 0.0
 
     @classmethod
     def of(cls, spec: Optional[Mapping[str, Any]]) -> "CostModel":
@@ -71,27 +80,28 @@ class CostModel:
             raise TypeError(f"cost_model: expected a dict like {{'tcp': {{'alpha': 5e-05, "
                             f"'beta': 4e-10}}}}, got {type(spec).__name__}")
         links = dict(DEFAULT.links)
-        scalars = {"gamma": DEFAULT.gamma, "wake": DEFAULT.wake}
+        scalars = {"gamma": DEFAULT.gamma, "wake": DEFAULT.wake, "nic": DEFAULT.nic}
         for key, value in spec.items():
             if key in scalars:
                 scalars[key] = _positive(key, value)
                 continue
             if key not in LINK_CLASSES:
                 raise ValueError(f"cost_model: unknown key {key!r}; expected one of "
-                                 f"{', '.join(LINK_CLASSES)}, gamma or wake")
+                                 f"{', '.join(LINK_CLASSES)}, gamma, wake or nic")
             if not isinstance(value, Mapping) or set(value) - {"alpha", "beta"}:
                 raise ValueError(f"cost_model[{key!r}]: expected a dict with 'alpha' and/or "
                                  f"'beta' (seconds), got {value!r}")
             base = links[key]
             links[key] = LinkCost(_positive(f"{key}.alpha", value.get("alpha", base.alpha)),
                                   _positive(f"{key}.beta", value.get("beta", base.beta)))
-        return cls(links, scalars["gamma"], scalars["wake"])
+        return cls(links, scalars["gamma"], scalars["wake"], scalars["nic"])
 
     def as_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {k: {"alpha": v.alpha, "beta": v.beta}
                                for k, v in self.links.items()}
         out["gamma"] = self.gamma
         out["wake"] = self.wake
+        out["nic"] = self.nic
         return out
 
     def time(self, schedule: Schedule, topology: Topology, itemsize: int,
@@ -102,6 +112,7 @@ class CostModel:
         total = self.wake * len(schedule.steps) if oversubscribed else 0.0
         for step in schedule.steps:
             per_rank: Dict[int, float] = {}
+            per_link: Dict[Tuple[int, int], float] = {}  # (0 out / 1 in, node): seconds
             pairs: Dict[Tuple[int, int], Tuple[int, bool]] = {}
             for t in step:
                 size, red = pairs.get((t.src, t.dst), (0, False))
@@ -111,7 +122,13 @@ class CostModel:
                 per_rank[src] = per_rank.get(src, 0.0) + link.alpha + link.beta * nbytes
                 recv = link.beta * nbytes + (self.gamma * nbytes if red and reduces else 0.0)
                 per_rank[dst] = per_rank.get(dst, 0.0) + recv
-            total += max(per_rank.values(), default=0.0)
+                if self.nic and not topology.same(src, dst):
+                    out_of = (0, topology.node_of[src])
+                    into = (1, topology.node_of[dst])
+                    per_link[out_of] = per_link.get(out_of, 0.0) + self.nic * nbytes
+                    per_link[into] = per_link.get(into, 0.0) + self.nic * nbytes
+            total += max(max(per_rank.values(), default=0.0),
+                         max(per_link.values(), default=0.0))
         return total
 
 

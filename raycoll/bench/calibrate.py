@@ -1,11 +1,13 @@
 """``raycoll-bench --calibrate``: measure the cost model's link costs on this cluster.
 
 Two ranks on direct connections (one node: a Unix socket, link class ``unix``; with
-``--nodes 2`` or ranks spread over a cluster's nodes: TCP, ``tcp``) all_reduce 4 B and a
+``--nodes 2``, or ``--address`` of a cluster of several nodes, where the two ranks go to two
+of its nodes: TCP, ``tcp``) all_reduce 4 B and a
 large buffer (the largest of ``--sizes``): one round in which each rank sends ``b`` bytes,
 receives ``b`` and reduces them, so ``T(b) = alpha + 2 beta b + gamma b``
 (:mod:`raycoll.algorithms.cost`). ``gamma`` (seconds a reduced byte) is timed here, on the
-driver's core. Prints the group option that carries them:
+driver's core. Between nodes, ``nic``, a byte through the node's link that its ranks share,
+is ``2 beta``: what one byte each way took here. Prints the group option that carries them:
 ``create_group(..., options={"cost_model": {...}})``.
 """
 
@@ -40,7 +42,7 @@ def calibrate(opts: Options) -> Dict[str, Any]:
     largest size; two ranks, ``transport="tcp"``)."""
     big = max(max(opts.sizes), 1 << 20)
     run = dataclasses.replace(opts, ops=["all_reduce"], sizes=[4, big], world_sizes=[2],
-                              vs=None, check=False, memory=False, baselines=False,
+                              vs=None, check=False, memory=False, baselines=False, spread=True,
                               group_options={**opts.group_options, "transport": "tcp"})
     rows = run_bench(run)
     small, large = (next(r for r in rows if r.bytes == n) for n in (4, big))
@@ -48,4 +50,8 @@ def calibrate(opts: Options) -> Dict[str, Any]:
     gamma = reduce_seconds_per_byte()
     alpha = small.time_us * 1e-6
     beta = max(0.0, (large.time_us * 1e-6 - alpha - gamma * big) / (2 * big))
-    return {link: {"alpha": alpha, "beta": beta}, "gamma": gamma}
+    model: Dict[str, Any] = {link: {"alpha": alpha, "beta": beta}, "gamma": gamma}
+    if link == "tcp":
+        # the link between nodes, which a node's ranks share: a byte crosses it in 2 beta
+        model["nic"] = 2 * beta
+    return model

@@ -165,6 +165,7 @@ class _Ray:
     def __init__(self, opts: Options) -> None:
         self.cluster: Any = None
         self.started = False
+        self.spread = opts.spread
         self.nodes = max(1, opts.nodes)
         most = max(opts.world_sizes)
         if ray.is_initialized():
@@ -205,9 +206,18 @@ class _Ray:
             ray.init(**kwargs)
         self.started = True
 
-    def rank_options(self) -> Dict[str, Any]:
+    def rank_options(self, rank: int = 0) -> Dict[str, Any]:
+        """The ``.options()`` of rank ``rank``'s actor."""
         if self.cluster is not None:
             return {"num_cpus": 0, "resources": {_NODE_SLOT: 1}}
+        if self.spread:
+            # rank r on the r-th live node, round robin (Ray's "SPREAD" is a hint: with 0
+            # CPUs a rank asks for, it packed both of --calibrate's on one node at times)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+            return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                nodes[rank % len(nodes)], soft=False)}
         return {"num_cpus": 0}
 
     def peer_options(self) -> Dict[str, Any]:
@@ -226,15 +236,15 @@ class _Ranks:
     """``world_size`` benchmark rank actors in one raycoll group."""
 
     def __init__(self, world_size: int, backend: str, options: Dict[str, Any],
-                 actor_options: Dict[str, Any]) -> None:
+                 actor_options: List[Dict[str, Any]]) -> None:
         import raycoll
 
         self.world_size = world_size
         self.backend = backend
         self.group = f"bench-{uuid.uuid4().hex[:8]}"
         # Block placement: with resource slots per node, ranks fill node after node.
-        self.actors = [BenchRankRemote.options(**actor_options).remote()
-                       for _ in range(world_size)]
+        self.actors = [BenchRankRemote.options(**actor_options[r]).remote()
+                       for r in range(world_size)]
         try:
             places = ray.get([a.placement.remote() for a in self.actors], timeout=CALL_TIMEOUT_S)
             self.nodes = len(set(places))
@@ -295,7 +305,8 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
     try:
         rtt_before = _rtt_us() if opts.baselines else None
         for world_size in opts.world_sizes:
-            ranks = _Ranks(world_size, opts.backend, opts.group_options, env.rank_options())
+            ranks = _Ranks(world_size, opts.backend, opts.group_options,
+                           [env.rank_options(r) for r in range(world_size)])
             peer: Optional[Peer] = None
             try:
                 peer_formation_s = None

@@ -170,6 +170,9 @@ class Options:
     free_period_ms: int = 10
     object_store_mb: Optional[int] = None
     progress: bool = True
+    #: on a cluster joined with ``address`` (or this process's Ray): rank r on the r-th live
+    #: node, round robin, not where Ray packs them (``--calibrate`` measures a link)
+    spread: bool = False
 
 
 
