@@ -9,7 +9,10 @@ import time
 import pytest
 import ray
 
+from helpers import TORCH_MISSING
+
 pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 W = 2
 
@@ -170,7 +173,7 @@ def test_bad_input_gives_named_errors_not_hangs(members):
         comm.destroy()
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="tests the GPU-less case")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the GPU-less case")
 def test_cuda_on_actors_without_a_gpu_is_refused_at_compile(members):
     import ray.experimental.collective as rcol
     from ray.dag import InputNode, MultiOutputNode

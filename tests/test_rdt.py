@@ -26,7 +26,7 @@ from raycoll.transport.pull import CMA_ENV, INLINE_BYTES, Keeper, Puller, PullEr
 
 import helpers
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason=helpers.TORCH_MISSING)
 
 MiB = 1024 * 1024
 pytestmark = pytest.mark.torch
