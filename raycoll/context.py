@@ -369,10 +369,11 @@ class GroupContext:
         if self._plane:
             self._plane.reject(call, message)
 
-    def transport_report(self) -> None:
-        """Send the coordinator what this rank's transport knows of every rank's progress."""
+    def transport_report(self, wait_s: float = 0.0) -> None:
+        """Send the coordinator what this rank's transport knows of every rank's progress
+        (waiting up to ``wait_s`` for it to be taken)."""
         if self._plane:
-            self._plane.report(force=True)
+            self._plane.report(force=True, wait_s=wait_s)
 
     def transport_missing(
             self, seq: int) -> Optional[Tuple[List[int], Dict[int, Tuple[str, int]]]]:

@@ -236,10 +236,10 @@ class ProcessGroup(ObjectAPI):
         transport; ``None`` when the group has none."""
         return self.context.gather_round(call, payload)
 
-    def report_progress(self) -> None:
+    def report_progress(self, wait_s: float = 0.0) -> None:
         """Send the coordinator what this rank's round transport knows of every rank's
-        progress (for ``group_status``)."""
-        self.context.transport_report()
+        progress (for ``group_status``; waiting up to ``wait_s`` for it to be taken)."""
+        self.context.transport_report(wait_s)
 
     def error_context(self, call: Call) -> Dict[str, Any]:
         """The keyword arguments of a raycoll error about ``call`` on this rank."""

@@ -69,7 +69,7 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         mine = [pg for name, pg in world().groups.items()
                 if name == root or name.startswith(root + "/")]
     for pg in mine:  # this process is a rank: what its lane knows goes first
-        pg.report_progress()
+        pg.report_progress(wait_s=_ASK_S)
     client = _status_client(root)
     raw = client.status(_ASK_S, where={"op": "group_status", "group": root})
     periods = [g.get("report_period_s") or report_period_s() for g in raw.get("groups",

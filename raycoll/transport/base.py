@@ -467,11 +467,13 @@ class RoundTransport:
         nodes = self.ctx.node_ids
         return REPORT_EVERY_S * sum(1 for n in nodes if n == nodes[self.ctx.rank])
 
-    def report(self, force: bool = False) -> None:
+    def report(self, force: bool = False, wait_s: float = 0.0) -> None:
         """Tell the coordinator every rank's progress (for group_status), in one
         fire-and-forget call: now when ``force``d or when the last report is older than
         :attr:`report_every_s`; else once that much time has passed since it (so the
-        coordinator is at most that far behind, at one call per period however busy)."""
+        coordinator is at most that far behind, at one call per period however busy).
+        ``wait_s``: wait up to that long for the coordinator to have taken it (group_status
+        from inside a rank, which asks the coordinator right after)."""
         with self._report_lock:
             if self._closed:
                 return
@@ -487,9 +489,13 @@ class RoundTransport:
             self._reported_at = now
             progress = self._progress()
         try:
-            self.ctx.client.submit_transport_progress(self.ctx.group_name,
-                                                      self.ctx.global_ranks, progress, self.kind,
-                                                      period, self.ctx.report_detail())
+            ref = self.ctx.client.submit_transport_progress(
+                self.ctx.group_name, self.ctx.global_ranks, progress, self.kind, period,
+                self.ctx.report_detail())
+            if wait_s > 0:
+                import ray
+
+                ray.get(ref, timeout=wait_s)
         except Exception:  # noqa: BLE001 - diagnostics only (the coordinator may be gone)
             pass
 

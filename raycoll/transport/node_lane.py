@@ -113,7 +113,7 @@ class NodeLane(LaneTransport):
     def _host_ranks(self) -> int:
         return host_ranks(self.ctx)
 
-    def report(self, force: bool = False) -> None:
+    def report(self, force: bool = False, wait_s: float = 0.0) -> None:
         """Nothing: the group's direct connections report its progress."""
 
     def exchange(self, call: "Call", sub: int, sends: Dict[int, List[Any]],

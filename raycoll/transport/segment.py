@@ -282,8 +282,8 @@ class SegmentLane(RoundTransport):
     def report_every_s(self) -> float:
         return self._report_every
 
-    def report(self, force: bool = False) -> None:
-        super().report(force)
+    def report(self, force: bool = False, wait_s: float = 0.0) -> None:
+        super().report(force, wait_s)
         self._report_due = self._reported_at + self._report_every
 
     def fast_plan(self, arr: np.ndarray, op: ReduceOp) -> Any:
