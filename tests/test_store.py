@@ -216,6 +216,7 @@ def test_a_new_group_starts_with_an_empty_store(ranks):
     def fill(rank: int) -> int:
         store = raycoll.get_store()
         n = store.num_keys()
+        raycoll.barrier()  # every rank has counted before any rank adds its key
         store.set(f"left-over-{rank}", "x")
         return n
 
