@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 import uuid
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
@@ -140,6 +140,20 @@ def run_layout(cluster: NetnsCluster, layout: List[int], rates: List[str], sizes
             ray.kill(a, no_restart=True)
 
 
+def parse_matrix(args: Any, what: str
+                 ) -> Optional[Tuple[List[List[int]], List[str], List[int], List[str]]]:
+    """The layouts, rates, sizes and ops of ``args``; None (said why) where namespaces cannot
+    be made here. Ranks take each node's own veth, not the driver's interface."""
+    reason = netns_unavailable()
+    if reason:
+        print(f"{what} skipped: {reason}")
+        return None
+    os.environ.pop("RAYCOLL_SOCKET_IFNAME", None)
+    layouts = [[int(n) for n in text.split("+")] for text in args.layouts.split(",")]
+    return (layouts, args.rates.split(","), [_size(s) for s in args.sizes.split(",")],
+            args.ops.split(","))
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="2+2,4+4", help="ranks per node, e.g. 2+2,4+4")
@@ -148,15 +162,10 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
-    reason = netns_unavailable()
-    if reason:
-        print(f"netns benchmark skipped: {reason}")
+    matrix = parse_matrix(args, "netns benchmark")
+    if matrix is None:
         return 0
-    os.environ.pop("RAYCOLL_SOCKET_IFNAME", None)  # each node's own veth, not the driver's
-    layouts = [[int(n) for n in text.split("+")] for text in args.layouts.split(",")]
-    rates = args.rates.split(",")
-    sizes = [_size(s) for s in args.sizes.split(",")]
-    ops = args.ops.split(",")
+    layouts, rates, sizes, ops = matrix
     header = (f"{'layout':>8} {'rate':>7} {'op':>15} {'size':>8} {'raycoll ms':>11} "
               f"{'gloo ms':>11} {'gloo/rc':>8} {'rc kB/node':>10} {'rc counted':>10} "
               f"{'gloo kB/nd':>10}")

@@ -36,10 +36,10 @@ import raycoll
 from raycoll.algorithms.schedule import ALGORITHMS
 from raycoll.bench.peers import _count
 from raycoll.launch import RankWorker
-from raycoll.testing_netns import NetnsCluster, netns_unavailable
+from raycoll.testing_netns import NetnsCluster
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import OPS, _label, _raycoll_bench, _size  # noqa: E402
+from netns import OPS, _label, _raycoll_bench, parse_matrix  # noqa: E402
 
 TARGET = 1.2
 
@@ -143,15 +143,10 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the harness down
-    reason = netns_unavailable()
-    if reason:
-        print(f"netns calibration check skipped: {reason}")
+    matrix = parse_matrix(args, "netns calibration check")
+    if matrix is None:
         return 0
-    os.environ.pop("RAYCOLL_SOCKET_IFNAME", None)  # each node's own veth, not the driver's
-    layouts = [[int(n) for n in text.split("+")] for text in args.layouts.split(",")]
-    rates = args.rates.split(",")
-    sizes = [_size(s) for s in args.sizes.split(",")]
-    ops = args.ops.split(",")
+    layouts, rates, sizes, ops = matrix
     for op in ops:
         if op not in OPS:
             raise SystemExit(f"--ops: expected some of {', '.join(OPS)}, got {op!r}")
