@@ -498,7 +498,8 @@ class ProcessGroup(ObjectAPI):
                         error=error)
 
     def _guarded(self, call: Call, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn``, breaking the group if it fails with an unexpected (non-raycoll) error.
+        """``fn``, breaking the group if it fails with an unexpected (non-raycoll) error of
+        any class (an interrupt, ``SystemExit`` and ``MemoryError`` included).
 
         Such an error comes after the call was issued (arguments are checked before), so the
         peers may be waiting for this rank inside the collective: they get GroupBrokenError
@@ -509,7 +510,7 @@ class ProcessGroup(ObjectAPI):
                 return fn()
             except errors.RaycollError:
                 raise
-            except Exception as exc:
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit, MemoryError too
                 if self._broken is None:
                     self._broken = exc
                 if self.size() > 1:

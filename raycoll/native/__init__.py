@@ -44,6 +44,13 @@ def _load() -> Tuple[Any, str]:
 
 
 core, _why = _load()
+if core is not None:
+    from raycoll import errors as _errors
+
+    #: A check that raises one of these ends a run softly: the group goes on where the
+    #: executor found the ranks' steps and streams whole (raycoll/native/core.h).
+    SOFT_ERRORS = (_errors.PeerArgumentError, _errors.CollectiveMismatchError)
+    core.set_soft_errors(SOFT_ERRORS)
 
 
 def native_available() -> bool:

@@ -88,8 +88,10 @@ enum {
                          (it rejected its arguments, say), so it fails here */
     RC_RETRY = 9,     /* (internal) this rank's step stood in for a peer's earlier call */
     RC_PEER_CLOSED = 10, /* peer *peer's connection closed (its process died, or it left) */
-    RC_FOREIGN = 11,  /* peer *peer sent a frame of the Python transports (a goodbye) */
-    RC_GARBLED = 12,  /* peer *peer's stream does not parse */
+    RC_FOREIGN = 11,  /* peer *peer sent a frame of the Python transports (a goodbye, before
+                         it closed its end: it left, it did not die) */
+    RC_GARBLED = 12,  /* peer *peer's stream does not parse (a bad header, or a message
+                         whose trailer is not its own: cut mid-way, or garbage) */
     RC_IOERR = 13,    /* a socket call failed (errno in the call's io_errno) */
 };
 
@@ -103,8 +105,13 @@ typedef struct {
 } rc_wait_policy;
 
 /* Called (with the waited time and the ranks or peers not yet heard from) while a run
- * waits; nonzero ends the run with RC_CHECK. */
+ * waits; nonzero ends the run with RC_CHECK: RC_CHECK_SOFT where the caller's error leaves
+ * the group usable (a peer rejected its arguments, a mismatch found on another path), any
+ * other nonzero value (RC_CHECK_HARD: a timeout, an interrupt, an error of any other kind)
+ * where it does not. */
 typedef int (*rc_check_fn)(void *arg, double waited_s, const int *pending, int npending);
+#define RC_CHECK_HARD 1
+#define RC_CHECK_SOFT 2
 
 /* Everything one run needs beside the plan and the buffers. */
 typedef struct {
@@ -119,14 +126,35 @@ typedef struct {
     rc_wait_policy wait;
     rc_check_fn check;
     void *check_arg;
+    /* set by the run (outputs) */
     int io_errno;     /* RC_IOERR: the errno */
+    int check_rc;     /* RC_CHECK: what the check returned (RC_CHECK_SOFT, RC_CHECK_HARD) */
+    int broke;        /* the run failed in a way that breaks the group, and said so itself:
+                         it raised this rank's abort flag on the segment and shut the
+                         sockets of the call (see rc_exec) */
+    int cut;          /* connections shut because a message on them was left mid-way */
 } rc_call;
 
 struct rc_seg;
 struct rc_net;
 
 /* Run a plan (nops operations of RC_OP_WORDS words) on the node segment seg and the sockets
- * net (either may be NULL where the plan uses none of its operations). Returns RC_*. */
+ * net (either may be NULL where the plan uses none of its operations). Returns RC_*.
+ *
+ * Failures are the executor's own, whatever its caller does next:
+ *   - nothing moves before every operation is checked (RC_BADPLAN: nothing was published);
+ *   - a failure that leaves the ranks' streams and steps whole (a mismatch or a call out of
+ *     step found at the call's first step, before any byte was read; a soft check failure
+ *     in the first step's wait) returns and leaves the group usable;
+ *   - any other failure once the call has published its first step or begun its first
+ *     transfer (a timeout, an interrupt, an error of any class in the check, a dead or
+ *     aborted peer, a closed segment, a socket error, a bad cross-memory read) raises this
+ *     rank's abort flag on the segment (its peers stop waiting and fail: RC_ABORTED) and
+ *     shuts every socket of the call (its peers read the end of the stream), and sets
+ *     call->broke;
+ *   - a message left mid-way on a connection (sent or read in part) always shuts that
+ *     connection (call->cut): a stream that lost its framing is never read or written
+ *     again. */
 int rc_exec(struct rc_seg *seg, struct rc_net *net, const int64_t *ops, size_t nops,
             const rc_buf *bufs, int nbufs, rc_call *call, int *peer);
 
@@ -159,16 +187,27 @@ static inline void rc_waiter_start(rc_waiter *w, const rc_call *call) {
     w->check_at = w->start + w->check_every;
 }
 
-/* Nonzero (RC_CHECK) if the check callback raised. */
-static inline int rc_waiter_check(rc_waiter *w, const rc_call *call, const int *pending,
-                                  int npending) {
-    uint64_t now = rc_now_ns();
-    if (now < w->check_at || call->check == NULL) return 0;
-    if (call->check(call->check_arg, (double)(now - w->start) / 1e9, pending, npending))
-        return RC_CHECK;
+/* The next check's time: the interval doubles up to check_max_ns (1 s where unset). */
+static inline void rc_waiter_next(rc_waiter *w, const rc_call *call) {
     uint64_t most = call->wait.check_max_ns ? call->wait.check_max_ns : 1000000000ull;
     w->check_every = w->check_every * 2 < most ? w->check_every * 2 : most;
     w->check_at = rc_now_ns() + w->check_every;
+}
+
+/* Nonzero (RC_CHECK, with call->check_rc) if the check callback failed. Without a callback
+ * the check's time still moves on (a wait never spins on an overdue check). */
+static inline int rc_waiter_check(rc_waiter *w, rc_call *call, const int *pending,
+                                  int npending) {
+    uint64_t now = rc_now_ns();
+    if (now < w->check_at) return 0;
+    if (call->check != NULL) {
+        int got = call->check(call->check_arg, (double)(now - w->start) / 1e9, pending, npending);
+        if (got) {
+            call->check_rc = got;
+            return RC_CHECK;
+        }
+    }
+    rc_waiter_next(w, call);
     return 0;
 }
 

@@ -8,6 +8,7 @@
 #include "reduce.h"
 #include "segment.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,19 +45,21 @@ static int op_ok(const rc_seg *seg, const rc_net *net, const int64_t *o, const r
         return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len);
     case RC_OP_FINAL:
         return dst_ok && a != RC_BUF_NEXT && whole;
-    case RC_OP_SEND:
-        return net != NULL && src_ok && b >= 0 && b < net->npeers && net->out_fd[b] >= 0;
+    case RC_OP_SEND: /* (a connection the executor shut is never written again) */
+        return net != NULL && src_ok && b >= 0 && b < net->npeers && net->out_fd[b] >= 0 &&
+               !net->conns[b].out_cut;
     case RC_OP_RECV:
         return net != NULL && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < net->npeers &&
-               net->in_fd[b] >= 0;
+               net->in_fd[b] >= 0 && !net->conns[b].in_cut;
     case RC_OP_XFER:
         return net != NULL && o[7] >= 0 && o[7] <= 0xffffffffll;
     case RC_OP_RED2:
         return dst_ok && a != RC_BUF_NEXT && b_buf && in_range(b_off, n, bufs[b].len) && whole &&
                rc_reduce_supported(call->dtype, call->op) &&
                !(a == b && overlap(a_off, n, b_off, n) && a_off != b_off);
-    case RC_OP_SYNC:
-        return seg != NULL && (o[6] & ~(int64_t)(RC_STEP_FIRST | RC_STEP_PUBLISH)) == 0;
+    case RC_OP_SYNC: /* (a publishing step's table of the buffers fits the half) */
+        return seg != NULL && (o[6] & ~(int64_t)(RC_STEP_FIRST | RC_STEP_PUBLISH)) == 0 &&
+               (!(o[6] & RC_STEP_PUBLISH) || (uint64_t)(2 * nbufs + 1) * 8u <= half);
     case RC_OP_CREAD:
         return seg != NULL && dst_ok && a != RC_BUF_NEXT && b >= 0 && b < seg->nranks &&
                o[6] >= 0 && o[6] < RC_MAX_BUFS;
@@ -109,21 +112,17 @@ static int check_plan(const rc_seg *seg, const rc_net *net, const int64_t *ops, 
 
 /* The reduction in rank order of every local rank's [off, +n) of its published buffer idx,
  * this rank's being dst itself, into dst: a block at a time, the peers' blocks read across
- * processes into a scratch, where it stays in the caches for the reduction. */
+ * processes into a scratch (tmp: nranks blocks, allocated once a run), where it stays in the
+ * caches for the reduction. */
 #define CMA_BLOCK (256u << 10)
 
-static int cma_reduce(rc_seg *seg, uint8_t *dst, uint64_t n, uint64_t off, int idx, int final,
-                      const rc_buf *own, const rc_call *call, size_t esize, int *peer) {
+static int cma_reduce(rc_seg *seg, uint8_t *tmp, uint8_t *dst, uint64_t n, uint64_t off,
+                      int idx, int final, const rc_buf *own, const rc_call *call, size_t esize,
+                      int *peer) {
     int w = seg->nranks;
     uint64_t block = CMA_BLOCK / esize * esize;
-    uint8_t *tmp = (uint8_t *)malloc((size_t)w * block);
-    if (tmp == NULL) {
-        *peer = -1;
-        return RC_IOERR;
-    }
     const void *srcs[RC_MAX_RANKS];
-    int rc = RC_OK;
-    for (uint64_t at = 0; at < n && rc == RC_OK; at += block) {
+    for (uint64_t at = 0; at < n; at += block) {
         uint64_t len = n - at < block ? n - at : block;
         for (int r = 0; r < w; r++) {
             uint8_t *slot = tmp + (size_t)r * block;
@@ -135,24 +134,51 @@ static int cma_reduce(rc_seg *seg, uint8_t *dst, uint64_t n, uint64_t off, int i
                 }
                 memcpy(slot, mine, len);
             } else {
-                rc = rc_seg_cma_read(seg, r, idx, off + at, len, slot);
+                int rc = rc_seg_cma_read(seg, r, idx, off + at, len, slot);
                 if (rc) {
                     *peer = r;
-                    break;
+                    return rc;
                 }
             }
             srcs[r] = slot;
         }
-        if (rc) break;
         rc_reduce(call->dtype, call->op, dst + at, srcs, w, len / esize);
         if (final) rc_finalize(call->dtype, call->op, dst + at, len / esize, call->divisor, call->factor);
     }
-    free(tmp);
+    return RC_OK;
+}
+
+/* Whether a failure (rc, with the check's verdict in call) leaves the group usable: the
+ * ranks' steps and streams are whole. A mismatch or a call out of step is found before any
+ * byte of the call is read (the segment's first step compares the calls; a message's
+ * header is read before its bytes, and a step that fails finishes the messages it is in the
+ * middle of). A soft check failure (the caller's error says so: a peer rejected its
+ * arguments) is whole on the sockets (a receiver skips the messages of a call it left; a
+ * message left mid-way is cut, and a cut breaks) and on the segment only in the call's
+ * first step: a rank that leaves later would leave its peers waiting on a step its next
+ * call would publish. */
+static int soft_failure(int rc, const rc_call *call, int seg_begun) {
+    if (call->cut) return 0;
+    if (rc == RC_MISMATCH || rc == RC_SEQ) return 1;
+    if (rc == RC_CHECK) return !seg_begun && call->check_rc == RC_CHECK_SOFT;
+    return 0;
+}
+
+/* A failed run's clean-up, in C whatever the caller does next (see core.h). Runs after the
+ * plan was checked: every failure here comes after the call's first publish. */
+static int fail(rc_seg *seg, rc_net *net, int rc, rc_call *call, int seg_begun) {
+    if (soft_failure(rc, call, seg_begun)) return rc;
+    call->broke = 1;
+    if (seg != NULL) rc_seg_abort(seg, RC_ABORT_FAILED);
+    if (net != NULL) call->cut += rc_net_shut(net);
     return rc;
 }
 
 int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs,
             int nbufs, rc_call *call, int *peer) {
+    call->broke = 0;
+    call->cut = 0;
+    call->check_rc = 0;
     int rc = check_plan(seg, net, ops, nops, bufs, nbufs, call, peer);
     if (rc) return rc;
     if (call->fp_len > RC_FP_BYTES) {
@@ -161,15 +187,31 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
     }
     size_t esize = rc_dtype_size(call->dtype);
     const void *srcs[RC_MAX_RANKS];
+    uint8_t *scratch = NULL; /* cma_reduce's blocks, on its first use */
     size_t moving_from = 0; /* the first SEND / RECV of the coming XFER */
     int moved = 0;          /* an XFER ran: a step cannot stand in for another call now */
+    int seg_begun = 0;      /* the call is past its first step on the segment */
     for (size_t i = 0; i < nops; i++) {
         const int64_t *o = ops + i * RC_OP_WORDS;
         int64_t a = o[1];
         uint64_t a_off = (uint64_t)o[2], n = (uint64_t)o[3], b_off = (uint64_t)o[5];
         uint32_t cur = seg != NULL ? seg->step : 0;
-        uint8_t *dst = a == RC_BUF_NEXT ? rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + a_off
-                                        : (a >= 0 ? bufs[a].ptr + a_off : NULL);
+        uint8_t *dst = NULL; /* buffer a's range: only for the operations that write it */
+        switch (o[0]) {
+        case RC_OP_COPY:
+        case RC_OP_REDUCE:
+        case RC_OP_LOCAL:
+        case RC_OP_FINAL:
+        case RC_OP_RED2:
+        case RC_OP_MREDUCE:
+        case RC_OP_CREAD:
+        case RC_OP_CREDUCE:
+            dst = a == RC_BUF_NEXT ? rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + a_off
+                                   : bufs[a].ptr + a_off;
+            break;
+        default:
+            break;
+        }
         switch (o[0]) {
         case RC_OP_WRITE:
             memcpy(rc_seg_half(seg, seg->me, (int)((cur + 1u) & 1u)) + b_off, bufs[a].ptr + a_off, n);
@@ -179,12 +221,14 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
             if (rc == RC_RETRY) {
                 if (moved) {  /* its messages are gone: the call fails, its step taken */
                     *peer = -1;
-                    return RC_SEQ;
+                    rc = RC_SEQ;
+                    goto out;
                 }
                 i = (size_t)-1; /* this step stood in for an earlier call: again */
                 continue;
             }
-            if (rc) return rc;
+            if (rc) goto out;
+            seg_begun = 1;
             break;
         case RC_OP_COPY:
             memcpy(dst, rc_seg_half(seg, (int)o[4], (int)(cur & 1u)) + b_off, n);
@@ -212,7 +256,7 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
                              (uint32_t)o[7], call, peer);
             moved = 1;
             moving_from = i + 1;
-            if (rc) return rc;
+            if (rc) goto out;
             break;
         case RC_OP_RED2:
             srcs[0] = dst;
@@ -227,15 +271,27 @@ int rc_exec(rc_seg *seg, rc_net *net, const int64_t *ops, size_t nops, const rc_
             rc = rc_seg_cma_read(seg, (int)o[4], (int)o[6], b_off, n, dst);
             if (rc) {
                 *peer = (int)o[4];
-                return rc;
+                goto out;
             }
             break;
         case RC_OP_CREDUCE:
-            rc = cma_reduce(seg, dst, n, b_off, (int)(o[6] & 0xff), (o[6] & RC_CFLAG_FINAL) != 0,
-                            &bufs[o[6] & 0xff], call, esize, peer);
-            if (rc) return rc;
+            if (scratch == NULL) {
+                scratch = (uint8_t *)malloc((size_t)seg->nranks * (CMA_BLOCK / esize * esize));
+                if (scratch == NULL) {
+                    *peer = -1;
+                    call->io_errno = ENOMEM;
+                    rc = RC_IOERR;
+                    goto out;
+                }
+            }
+            rc = cma_reduce(seg, scratch, dst, n, b_off, (int)(o[6] & 0xff),
+                            (o[6] & RC_CFLAG_FINAL) != 0, &bufs[o[6] & 0xff], call, esize, peer);
+            if (rc) goto out;
             break;
         }
     }
-    return RC_OK;
+    rc = RC_OK;
+out:
+    free(scratch);
+    return rc == RC_OK ? RC_OK : fail(seg, net, rc, call, seg_begun);
 }

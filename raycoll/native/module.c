@@ -184,7 +184,22 @@ static int seg_open(SegmentObject *self) {
     return 1;
 }
 
-/* The check callback: called with the GIL released inside rc_seg_run. */
+/* The exception classes whose errors leave a group usable (set_soft_errors): a check that
+ * raises one of them fails its run softly (RC_CHECK_SOFT; see core.h). */
+static PyObject *soft_errors = NULL;
+
+static PyObject *py_set_soft_errors(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyTuple_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_soft_errors takes a tuple of exception classes");
+        return NULL;
+    }
+    Py_INCREF(arg);
+    Py_XSETREF(soft_errors, arg);
+    Py_RETURN_NONE;
+}
+
+/* The check callback: called with the GIL released inside rc_exec. */
 typedef struct {
     PyObject *fn;
     PyThreadState *ts;
@@ -193,7 +208,7 @@ typedef struct {
 static int call_check(void *arg, double waited_s, const int *pending, int npending) {
     check_arg *c = (check_arg *)arg;
     PyEval_RestoreThread(c->ts);
-    int failed = 1;
+    int failed = RC_CHECK_HARD;
     PyObject *tuple = PyTuple_New(npending);
     if (tuple != NULL) {
         for (int i = 0; i < npending; i++) PyTuple_SET_ITEM(tuple, i, PyLong_FromLong(pending[i]));
@@ -201,9 +216,11 @@ static int call_check(void *arg, double waited_s, const int *pending, int npendi
         Py_DECREF(tuple);
         if (r != NULL) {
             Py_DECREF(r);
-            failed = PyErr_CheckSignals() != 0;
+            failed = PyErr_CheckSignals() != 0 ? RC_CHECK_HARD : 0;
         }
     }
+    if (failed && soft_errors != NULL && PyErr_ExceptionMatches(soft_errors))
+        failed = RC_CHECK_SOFT;
     c->ts = PyEval_SaveThread();
     return failed;
 }
@@ -311,8 +328,20 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
                  bufs, (int)nbufs, &call, &peer);
     PyEval_RestoreThread(carg.ts);
     if (segobj != NULL) segobj->busy = 0;
-    if (rc == RC_CHECK) goto done; /* the callback's exception is set */
-    result = Py_BuildValue("(iii)", rc, peer, call.io_errno);
+    PyObject *exc = Py_None;
+    if (rc == RC_CHECK && PyErr_Occurred()) { /* the callback's exception, handed back */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        exc = value != NULL ? value : Py_None;
+        if (value == NULL) Py_INCREF(exc);
+    } else {
+        Py_INCREF(exc);
+    }
+    result = Py_BuildValue("(iiiiN)", rc, peer, call.io_errno, call.broke, exc);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
@@ -339,11 +368,7 @@ static PyObject *seg_run(SegmentObject *self, PyObject *args) {
     PyObject *result = run_plan(self, plan_obj, bufs_obj, dtype, op, factor, divisor, call_seq,
                                 &fp, wait, check, Py_None);
     PyBuffer_Release(&fp);
-    if (result == NULL) return NULL;
-    /* (status, peer): a segment's run has no socket errno */
-    PyObject *pair = PyTuple_GetSlice(result, 0, 2);
-    Py_DECREF(result);
-    return pair;
+    return result;
 }
 
 static PyObject *py_execute(PyObject *module, PyObject *args) {
@@ -496,8 +521,9 @@ static PyBufferProcs seg_as_buffer = {(getbufferproc)seg_getbuffer,
 static PyMethodDef seg_methods[] = {
     {"run", (PyCFunction)seg_run, METH_VARARGS,
      "run(plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check) -> (status, "
-     "peer): run a plan's operations (GIL released; check(waited_s, pending) is called while "
-     "it waits)"},
+     "peer, errno, broke, exc): run a plan's operations (GIL released; check(waited_s, "
+     "pending) is called while it waits; exc: what it raised, status CHECK; broke: the run "
+     "raised the abort flag itself)"},
     {"abort", (PyCFunction)seg_abort, METH_VARARGS,
      "abort(reason=1): tell the peers this rank gave up on the group"},
     {"close", (PyCFunction)seg_close, METH_NOARGS,
@@ -597,8 +623,12 @@ done:
 static PyMethodDef module_methods[] = {
     {"execute", py_execute, METH_VARARGS,
      "execute(seg, plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check, net) "
-     "-> (status, peer, errno): run a plan on a segment (or None) and sockets (net: "
-     "(out_fds, in_fds, conns, fp_hash), or None); GIL released"},
+     "-> (status, peer, errno, broke, exc): run a plan on a segment (or None) and sockets "
+     "(net: (out_fds, in_fds, conns, fp_hash), or None); GIL released. broke: the run failed "
+     "in a way that breaks the group and raised the abort flag / shut the call's sockets "
+     "itself; exc: the check's exception (status CHECK), else None"},
+    {"set_soft_errors", py_set_soft_errors, METH_O,
+     "set_soft_errors(classes): the exceptions of a check that leave a group usable"},
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(dtype, op, dst, srcs): dst = srcs[0] op srcs[1] op ..., elementwise"},
     {"finalize", py_finalize, METH_VARARGS,
@@ -645,6 +675,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         {"OP_CREAD", RC_OP_CREAD}, {"OP_CREDUCE", RC_OP_CREDUCE}, {"CFLAG_FINAL", RC_CFLAG_FINAL},
         {"PEER_CLOSED", RC_PEER_CLOSED}, {"FOREIGN", RC_FOREIGN}, {"GARBLED", RC_GARBLED},
         {"IOERR", RC_IOERR}, {"CONN_BYTES", RC_CONN_BYTES}, {"MSG_MAGIC", (long)RC_MSG_MAGIC},
+        {"END_MAGIC", (long)RC_END_MAGIC}, {"CHECK", RC_CHECK}, {"RETRY", RC_RETRY},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++) {
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {

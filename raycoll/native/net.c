@@ -16,15 +16,27 @@
 #endif
 
 _Static_assert(sizeof(rc_msg) == 32, "a message header is 32 bytes");
+_Static_assert(sizeof(rc_end) == 24, "a message trailer is 24 bytes");
 _Static_assert(sizeof(rc_conn) == RC_CONN_BYTES, "rc_conn is RC_CONN_BYTES");
 
 #define HEADER ((uint64_t)sizeof(rc_msg))
+#define TRAILER ((uint64_t)sizeof(rc_end))
 #define MAX_IOV 64
 /* The most a message may say it carries (a garbled header says more). */
 #define MAX_MESSAGE (1ull << 48)
 
 /* Where a message stands. */
 enum { M_IDLE, M_HEADER, M_DATA, M_SKIP, M_DROP, M_DONE };
+
+/* The trailer of the message whose header is h. */
+static rc_end end_of(const rc_msg *h) {
+    rc_end e;
+    e.magic = RC_END_MAGIC;
+    e.step = h->step;
+    e.call_seq = h->call_seq;
+    e.nbytes = h->nbytes;
+    return e;
+}
 
 /* One message of the step: consecutive SENDs to (or RECVs from) one peer. */
 typedef struct {
@@ -33,11 +45,13 @@ typedef struct {
     size_t first;     /* its first operation */
     size_t nparts;    /* its operations */
     uint64_t total;   /* its bytes */
-    uint64_t done;    /* bytes moved: for a send, of header and data; for a receive, of the
-                         state it is in (header bytes, data bytes, bytes dropped) */
+    uint64_t done;    /* bytes moved: for a send, of header, data and trailer; for a
+                         receive, of the state it is in (header bytes, data and trailer
+                         bytes, bytes dropped) */
     uint64_t left;    /* M_SKIP / M_DROP: bytes still to drop */
     int state;
     rc_msg hdr;
+    rc_end end;       /* a send's trailer; a receive's, as read */
 } xmsg;
 
 typedef struct {
@@ -59,9 +73,11 @@ static int io_failure(rc_call *call, int err) {
     return RC_IOERR;
 }
 
-/* The iovec of a message's data from byte skip on. */
-static int data_iov(const xfer *x, const xmsg *m, uint64_t skip, struct iovec *iov, int n) {
-    for (size_t k = 0; k < m->nparts && n < MAX_IOV; k++) {
+/* The iovec of a message's data and trailer from byte skip on (skip counts data bytes, then
+ * trailer bytes), after the n entries iov holds already: at most MAX_IOV + 1 in all. */
+static int data_iov(const xfer *x, xmsg *m, uint64_t skip, struct iovec *iov, int n) {
+    size_t k = 0;
+    for (; k < m->nparts && n < MAX_IOV; k++) {
         const int64_t *o = x->ops + (m->first + k) * RC_OP_WORDS;
         uint64_t len = (uint64_t)o[3];
         if (skip >= len) {
@@ -73,14 +89,19 @@ static int data_iov(const xfer *x, const xmsg *m, uint64_t skip, struct iovec *i
         n++;
         skip = 0;
     }
+    if (k == m->nparts && skip < TRAILER) { /* every data byte is in: the trailer follows */
+        iov[n].iov_base = (uint8_t *)&m->end + skip;
+        iov[n].iov_len = (size_t)(TRAILER - skip);
+        n++;
+    }
     return n;
 }
 
 /* Send what the socket takes now. */
 static int push(xfer *x, xmsg *m, int *progress) {
     int fd = (int)x->net->out_fd[m->peer];
-    while (m->done < HEADER + m->total) {
-        struct iovec iov[MAX_IOV];
+    while (m->done < HEADER + m->total + TRAILER) {
+        struct iovec iov[MAX_IOV + 2];
         int n = 0;
         uint64_t skip = m->done;
         if (skip < HEADER) {
@@ -106,6 +127,7 @@ static int push(xfer *x, xmsg *m, int *progress) {
         *progress = 1;
     }
     m->state = M_DONE;
+    x->net->conns[m->peer].sent += m->total;
     return RC_OK;
 }
 
@@ -144,20 +166,26 @@ static int pull(xfer *x, xmsg *m, int *progress) {
             }
             break;
         case M_HEADER: {
+            const uint8_t *b = (const uint8_t *)&m->hdr;
             while (m->done < HEADER) {
                 rc = take(x, fd, (uint8_t *)&m->hdr + m->done, (size_t)(HEADER - m->done), &got);
+                if (rc == RC_PEER_CLOSED && m->done >= 2 && b[0] == RC_FOREIGN_0 &&
+                    b[1] == RC_FOREIGN_1)
+                    return RC_FOREIGN; /* a goodbye (shorter than a header), then the end */
                 if (rc) return rc;
                 if (got == 0) return RC_OK;
                 m->done += (uint64_t)got;
                 *progress = 1;
+                if (m->done >= 2 && b[0] == RC_FOREIGN_0 && b[1] == RC_FOREIGN_1) {
+                    m->state = M_DONE; /* the peer left: its stream ends here */
+                    return RC_FOREIGN;
+                }
             }
-            const uint8_t *b = (const uint8_t *)&m->hdr;
-            if (b[0] == RC_FOREIGN_0 && b[1] == RC_FOREIGN_1) return RC_FOREIGN;
             if (m->hdr.magic != RC_MSG_MAGIC || m->hdr.nbytes > MAX_MESSAGE) return RC_GARBLED;
             m->done = 0;
             if (m->hdr.call_seq < x->call->call_seq) { /* an earlier call's: skipped */
                 m->state = M_SKIP;
-                m->left = m->hdr.nbytes;
+                m->left = m->hdr.nbytes + TRAILER;
             } else if (m->hdr.call_seq > x->call->call_seq) { /* a later call's: kept */
                 net->conns[m->peer].msg = m->hdr;
                 net->conns[m->peer].held = 1;
@@ -166,7 +194,7 @@ static int pull(xfer *x, xmsg *m, int *progress) {
             } else if (m->hdr.step != x->step || m->hdr.fp != x->call->fp_hash ||
                        m->hdr.nbytes != m->total) {
                 m->state = M_DROP;
-                m->left = m->hdr.nbytes;
+                m->left = m->hdr.nbytes + TRAILER;
             } else {
                 m->state = M_DATA;
             }
@@ -190,8 +218,8 @@ static int pull(xfer *x, xmsg *m, int *progress) {
             m->done = 0;
             break;
         case M_DATA:
-            while (m->done < m->total) {
-                struct iovec iov[MAX_IOV];
+            while (m->done < m->total + TRAILER) {
+                struct iovec iov[MAX_IOV + 1];
                 int n = data_iov(x, m, m->done, iov, 0);
                 struct msghdr mh;
                 memset(&mh, 0, sizeof mh);
@@ -208,6 +236,11 @@ static int pull(xfer *x, xmsg *m, int *progress) {
                 *progress = 1;
             }
             m->state = M_DONE;
+            {
+                rc_end want = end_of(&m->hdr);
+                if (memcmp(&want, &m->end, sizeof want) != 0) return RC_GARBLED;
+            }
+            net->conns[m->peer].received += m->total;
             return RC_OK;
         default:
             return RC_OK;
@@ -303,6 +336,7 @@ static size_t messages(xfer *x, size_t nops) {
         m->hdr.call_seq = x->call->call_seq;
         m->hdr.fp = x->call->fp_hash;
         m->hdr.nbytes = m->total;
+        m->end = end_of(&m->hdr);
     }
     return n;
 }
@@ -355,9 +389,41 @@ int rc_net_xfer(rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs
     rc = x.failed;
     *peer = x.failed_peer;
 out:
+    if (rc != RC_OK && x.msgs != NULL) {
+        /* a message left mid-way: its connection lost its framing, shut it */
+        for (size_t i = 0; i < x.nmsgs; i++) {
+            xmsg *m = &x.msgs[i];
+            if (m->state == M_DONE || !in_progress(m)) continue;
+            rc_conn *c = &net->conns[m->peer];
+            uint32_t *cut = m->send ? &c->out_cut : &c->in_cut;
+            if (!*cut) {
+                shutdown((int)(m->send ? net->out_fd[m->peer] : net->in_fd[m->peer]), SHUT_RDWR);
+                *cut = 1;
+                call->cut++;
+            }
+        }
+    }
     free(x.msgs);
     free(x.busy);
     free(pfds);
     free(pending);
     return rc;
+}
+
+int rc_net_shut(rc_net *net) {
+    int shut = 0;
+    for (int p = 0; p < net->npeers; p++) {
+        rc_conn *c = &net->conns[p];
+        if (net->out_fd[p] >= 0 && !c->out_cut) {
+            shutdown((int)net->out_fd[p], SHUT_RDWR);
+            c->out_cut = 1;
+            shut++;
+        }
+        if (net->in_fd[p] >= 0 && !c->in_cut) {
+            shutdown((int)net->in_fd[p], SHUT_RDWR);
+            c->in_cut = 1;
+            shut++;
+        }
+    }
+    return shut;
 }

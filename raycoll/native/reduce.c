@@ -183,24 +183,32 @@ FINAL_FLOAT(f32, float)
 FINAL_FLOAT(f64, double)
 FINAL_FLOAT(fld, long double)
 
-#define FINAL_INT(S, T)                                                            \
+/* PREMUL_SUM's product on integers, converted back with a defined result for every value (a
+ * plain cast of a double out of the type's range, or of NaN, is undefined behaviour in C,
+ * and x86 and ARM give different values): truncated toward zero, NaN to 0, saturated at the
+ * type's bounds (lo, hi: as doubles, hi the first value past the type's largest). Within the
+ * range it is numpy's astype. */
+#define FINAL_INT(S, T, LO, HI, TMIN, TMAX)                                        \
     static void S##_final(void *buf_, size_t n, int divisor, double factor) {     \
         T *buf = (T *)buf_;                                                        \
         if (divisor) {                                                             \
             double d = (double)divisor;                                            \
             for (size_t i = 0; i < n; i++) buf[i] = (T)trunc((double)buf[i] / d); \
         } else {                                                                   \
-            for (size_t i = 0; i < n; i++) buf[i] = (T)((double)buf[i] * factor);  \
+            for (size_t i = 0; i < n; i++) {                                       \
+                double v = trunc((double)buf[i] * factor);                         \
+                buf[i] = v != v ? (T)0 : v <= (LO) ? (TMIN) : v >= (HI) ? (TMAX) : (T)v; \
+            }                                                                      \
         }                                                                          \
     }
-FINAL_INT(i8, int8_t)
-FINAL_INT(u8, uint8_t)
-FINAL_INT(i16, int16_t)
-FINAL_INT(u16, uint16_t)
-FINAL_INT(i32, int32_t)
-FINAL_INT(u32, uint32_t)
-FINAL_INT(i64, int64_t)
-FINAL_INT(u64, uint64_t)
+FINAL_INT(i8, int8_t, -128.0, 128.0, INT8_MIN, INT8_MAX)
+FINAL_INT(u8, uint8_t, 0.0, 256.0, 0, UINT8_MAX)
+FINAL_INT(i16, int16_t, -32768.0, 32768.0, INT16_MIN, INT16_MAX)
+FINAL_INT(u16, uint16_t, 0.0, 65536.0, 0, UINT16_MAX)
+FINAL_INT(i32, int32_t, -2147483648.0, 2147483648.0, INT32_MIN, INT32_MAX)
+FINAL_INT(u32, uint32_t, 0.0, 4294967296.0, 0, UINT32_MAX)
+FINAL_INT(i64, int64_t, -9223372036854775808.0, 9223372036854775808.0, INT64_MIN, INT64_MAX)
+FINAL_INT(u64, uint64_t, 0.0, 18446744073709551616.0, 0, UINT64_MAX)
 
 #define FINAL_HALF(S, TOF, FROMF)                                                   \
     static void S##_final(void *buf_, size_t n, int divisor, double factor) {      \

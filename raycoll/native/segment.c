@@ -214,7 +214,9 @@ void rc_seg_unmap(rc_seg *s) {
 }
 
 void rc_seg_abort(rc_seg *s, uint32_t reason) {
-    __atomic_store_n(&s->ctl[s->me].abort, reason, __ATOMIC_SEQ_CST);
+    uint32_t none = 0; /* the first reason stays (a close, then the run it ended failing) */
+    __atomic_compare_exchange_n(&s->ctl[s->me].abort, &none, reason, 0, __ATOMIC_SEQ_CST,
+                                __ATOMIC_SEQ_CST);
     for (int r = 0; r < s->nranks; r++) wake_all(&s->ctl[r].seq);
 }
 
@@ -266,22 +268,31 @@ static int interrupted(const rc_seg *s, int *peer) {
 /* Wait until every rank has published step, then make sure none gave up on the group (a
  * peer that published the step and then failed, say timed out waiting for this rank, left
  * its data behind: completing with it would succeed here and fail there). */
-static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer);
+static int wait_step(rc_seg *s, uint32_t step, rc_call *call, int *peer);
 
-static int wait_all(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
+static int wait_all(rc_seg *s, uint32_t step, rc_call *call, int *peer) {
     int rc = wait_step(s, step, call, peer);
     if (rc == RC_OK) rc = interrupted(s, peer);
     return rc;
 }
 
-static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
+/* The wait of one step. It spins for call->wait.spin_ns (where the ranks fit the cores),
+ * then sleeps on the futex of the first rank not there yet, at most until the next of:
+ *   - a liveness tick (every tick_ns, the first one tick_ns after the wait began: a pending
+ *     peer whose process is gone fails the wait with RC_DEAD),
+ *   - the caller's check (rc_waiter: after check_ns, then at intervals doubling to
+ *     check_max_ns; RC_CHECK when it fails),
+ * and wakes at once for a peer's publish or abort (both wake the futexes) and for this
+ * rank's close. Bounded: the caller's check carries the call's deadline. */
+static int wait_step(rc_seg *s, uint32_t step, rc_call *call, int *peer) {
     int pending[RC_MAX_RANKS];
     int npending = 0;
     for (int r = 0; r < s->nranks; r++)
         if (r != s->me && !reached(load_acquire(&s->ctl[r].seq), step)) pending[npending++] = r;
     if (npending == 0) return RC_OK;
-    uint64_t start = rc_now_ns();
-    uint64_t spin_until = start + call->wait.spin_ns;
+    rc_waiter w;
+    rc_waiter_start(&w, call);
+    uint64_t spin_until = w.start + call->wait.spin_ns;
     /* Spin: where the ranks fit the cores, a peer's publish is seen within ~100 ns. */
     while (call->wait.spin_ns) {
         int left = 0;
@@ -295,12 +306,8 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
         }
         for (int k = 0; k < 32; k++) rc_cpu_relax();
     }
-    /* Sleep on the first rank not there yet; check liveness, aborts and the caller's checks on
-     * the way. */
     uint64_t tick = call->wait.tick_ns ? call->wait.tick_ns : 10000000ull;
-    uint64_t check_every = call->wait.check_ns ? call->wait.check_ns : 100000000ull;
-    uint64_t check_at = start + check_every;
-    uint64_t live_at = start;
+    uint64_t live_at = w.start + tick;
     for (;;) {
         int left = 0;
         for (int i = 0; i < npending; i++)
@@ -319,20 +326,17 @@ static int wait_step(rc_seg *s, uint32_t step, const rc_call *call, int *peer) {
             }
             live_at = now + tick;
         }
-        if (now >= check_at && call->check != NULL) {
-            if (call->check(call->check_arg, (double)(now - start) / 1e9, pending, npending))
-                return RC_CHECK;
-            check_every = check_every * 2 < call->wait.check_max_ns ? check_every * 2
-                                                                     : call->wait.check_max_ns;
-            if (check_every == 0) check_every = 1000000000ull;
-            check_at = rc_now_ns() + check_every;
+        rc = rc_waiter_check(&w, call, pending, npending);
+        if (rc) {
+            *peer = -1;
+            return rc;
         }
         rc_ctl *other = &s->ctl[pending[0]];
         __atomic_add_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
         uint32_t seen = __atomic_load_n(&other->seq, __ATOMIC_SEQ_CST);
         if (!reached(seen, step) && __atomic_load_n(&other->abort, __ATOMIC_SEQ_CST) == 0 &&
             !s->closing) {
-            uint64_t until = live_at < check_at ? live_at : check_at;
+            uint64_t until = live_at < w.check_at ? live_at : w.check_at;
             now = rc_now_ns();
             sleep_on(&other->seq, seen, until > now ? until - now : 1000ull);
         }
@@ -376,7 +380,7 @@ static int compare_info(const rc_seg *s, uint32_t step, int *peer) {
 }
 
 /* ---------------------------------------------------------------- steps */
-int rc_seg_sync(rc_seg *s, int flags, const rc_call *call, const rc_buf *bufs, int nbufs,
+int rc_seg_sync(rc_seg *s, int flags, rc_call *call, const rc_buf *bufs, int nbufs,
                 int *peer) {
     uint32_t step = s->step + 1u;
     int first = (flags & RC_STEP_FIRST) != 0;
@@ -441,9 +445,12 @@ int rc_seg_probe_cma(rc_seg *s) {
 }
 
 int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst) {
+    if (r < 0 || r >= s->nranks || idx < 0) return RC_BADPLAN;
     const uint64_t *table = (const uint64_t *)rc_seg_half(s, r, (int)(s->first_step & 1u));
+    /* the count is the peer's word in shared memory: bounded by what a half can hold before
+     * it is used (no arithmetic on it that could wrap) */
     uint64_t count = table[0];
-    if (idx < 0 || (uint64_t)idx >= count || (2 * count + 1) * 8u > s->half) return RC_BADPLAN;
+    if (count > (s->half / 8u - 1u) / 2u || (uint64_t)idx >= count) return RC_BADPLAN;
     uint64_t at = table[1 + 2 * idx], len = table[2 + 2 * idx];
     if (n > len || off > len - n) return RC_BADPLAN;
     return read_process(s->ctl[r].pid, at + off, dst, n);

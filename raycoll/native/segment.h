@@ -142,14 +142,15 @@ int rc_seg_attach(rc_seg *s, const char *name, int nranks, int me, uint64_t half
                   char *err, size_t errlen);
 int rc_seg_unlink(const char *name);
 void rc_seg_unmap(rc_seg *s);
-/* Tell the peers this rank gave up (reason RC_ABORT_*), and wake every sleeper. */
+/* Tell the peers this rank gave up (reason RC_ABORT_*; a first reason stays), and wake
+ * every sleeper. */
 void rc_seg_abort(rc_seg *s, uint32_t reason);
 /* One step (flags: RC_STEP_*): fill in this rank's step info (the call's first step), write
  * the call's buffers into its half (RC_STEP_PUBLISH), publish the next step, wait for every
  * rank, and (the first step) compare the infos: RC_OK, RC_RETRY (this
  * step stood in for a peer's earlier call: run the call again from the next step), or a
  * failure (*peer names a rank). */
-int rc_seg_sync(rc_seg *s, int flags, const rc_call *call, const rc_buf *bufs, int nbufs,
+int rc_seg_sync(rc_seg *s, int flags, rc_call *call, const rc_buf *bufs, int nbufs,
                 int *peer);
 /* Whether this process can read every peer's memory (process_vm_readv of the word each
  * published when it mapped the segment; Linux, with the peers' ptrace permission): 1 or 0.

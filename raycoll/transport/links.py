@@ -421,6 +421,11 @@ class Links:
             except OSError:
                 pass
         for sock in socks:
+            try:  # shut, not only closed: the native core's own descriptors of the same
+                # connections (dups) would keep them open, and a run waiting on one must end
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 sock.close()
             except OSError:

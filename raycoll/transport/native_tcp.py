@@ -21,6 +21,9 @@ rounds.
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
@@ -72,6 +75,13 @@ class NativeSockets:
         self._no_spin = (0, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
         self._call: Optional["Call"] = None
         self._began = 0.0
+        #: The descriptors above are this object's own (dups of the links' sockets): closing
+        #: the group closes them only once no run uses them (a run in flight ends first: the
+        #: links' close shuts the sockets under it), so a number the core holds is never one
+        #: the process reused meanwhile.
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closed = False
 
     def plan(self, key: Any, schedule: Schedule, itemsize: int, reducing: bool) -> NativePlan:
         """This rank's native plan of ``schedule`` (cached by ``key``)."""
@@ -102,14 +112,14 @@ class NativeSockets:
         links = self.tcp.links
         for dst in plan.sends_to:
             if self.out_fd[dst] < 0:
-                self.out_fd[dst] = links.outgoing(dst, "ncoll", call.timeout_s).sock.fileno()
+                self._own(self.out_fd, dst, links.outgoing(dst, "ncoll", call.timeout_s).sock)
         missing = [s for s in plan.recvs_from if self.in_fd[s] < 0]
         next_check = time.monotonic() + 0.1
         while missing:
             for s in list(missing):
                 sock = links.incoming(s, "ncoll")
                 if sock is not None:
-                    self.in_fd[s] = sock.fileno()
+                    self._own(self.in_fd, s, sock)
                     missing.remove(s)
             if not missing:
                 return
@@ -121,12 +131,61 @@ class NativeSockets:
                 next_check = now + 0.5
             links.wait([], [], 0.01)
 
+    def _own(self, table: np.ndarray, slot: int, sock: socket.socket) -> None:
+        """Keep a descriptor of ``sock``'s connection of this object's own (a dup)."""
+        with self._lock:
+            if self._closed:
+                raise PeerClosed("the group is closed on this rank")
+            table[slot] = os.dup(sock.fileno())
+
+    def _idle(self) -> None:
+        """A run ended: the last one out after a close closes the descriptors."""
+        with self._lock:
+            self._busy -= 1
+            last = self._closed and self._busy == 0
+        if last:
+            self._close_fds()
+
+    def close(self) -> None:
+        """The group is closing on this rank: the descriptors are closed now, or by the run
+        still using them when it ends (the links' close shut the connections under it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            idle = self._busy == 0
+        if idle:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for table in (self.out_fd, self.in_fd):
+            for slot in np.flatnonzero(table >= 0):
+                try:
+                    os.close(int(table[slot]))
+                except OSError:  # pragma: no cover - ours: open until here
+                    pass
+                table[slot] = -1
+
     # ------------------------------------------------------------------ running
     def run(self, call: "Call", plan: NativePlan, flat: np.ndarray,
             codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
         """Run ``plan`` for ``call`` on ``flat`` (in place); raise the call's error."""
         self._began = time.monotonic()
         self._call = call
+        with self._lock:
+            if self._closed:
+                raise errors.GroupDestroyedError(
+                    f"{call.op} #{call.seq} on group {self.tcp.ctx.group_name!r}: the group "
+                    "was destroyed on this rank")
+            self._busy += 1
+        try:
+            self._execute(call, plan, flat, codes, op)
+        finally:
+            self._idle()
+        self.tcp.tally(call.op).add(plan.counts)
+
+    def _execute(self, call: "Call", plan: NativePlan, flat: np.ndarray,
+                 codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
         self._connect(call, plan)
         if self._scratch.nbytes < plan.scratch:
             self._scratch = np.empty(plan.scratch, dtype=np.uint8)
@@ -136,18 +195,14 @@ class NativeSockets:
         fp = self._fps.hash(call.fp)
         wait = self._spinning if may_spin() else self._no_spin
         try:
-            status, peer, err = core.execute(
+            status, peer, err, broke, exc = core.execute(
                 None, plan.ops, (_bytes(flat), self._scratch), codes[0], codes[1], factor,
                 divisor, call.seq, b"", wait, self._check,
                 (self.out_fd, self.in_fd, self.conns, fp))
-        except errors.RaycollError:
-            self.tcp.fail_broken()
-            raise
         finally:
             self.tcp._waiting = None
         if status:
-            raise self._failed(call, status, peer, err)
-        self.tcp.tally(call.op).add(plan.counts)
+            raise self._failed(call, status, peer, err, broke, exc)
 
     def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
         """While a run waits: the call's deadline, then the coordinator's check."""
@@ -160,10 +215,26 @@ class NativeSockets:
             raise self.tcp.time_out(call, list(pending))
         self.tcp.check(call, list(pending), elapsed)
 
-    def _failed(self, call: "Call", status: int, peer: int, err: int) -> BaseException:
+    def _failed(self, call: "Call", status: int, peer: int, err: int, broke: bool,
+                exc: Optional[BaseException]) -> BaseException:
+        """The error of a run that ended with ``status``. ``broke``: the core shut the call's
+        sockets itself (the failure breaks the group); ``exc``: what the check raised."""
         ctx = self.tcp.ctx
         where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
         ranks = ctx.global_ranks
+        if self._closed:  # destroyed on this rank while the call ran: its sockets were shut
+            return errors.GroupDestroyedError(
+                f"{where}: the group was destroyed on this rank while the call ran")
+        if status == core.CHECK:
+            assert exc is not None, "the core hands back the check's exception"
+            if broke:
+                self.tcp.fail_broken()
+                ctx.fail(exc if isinstance(exc, errors.RaycollError) else
+                         errors.GroupBrokenError(
+                             f"{where}: rank {ranks[ctx.rank]} left the call mid-way "
+                             f"({type(exc).__name__}: {exc}); the group is broken",
+                             **ctx.ctx(call)))
+            return exc
         if status == core.MISMATCH:
             message = (f"{where}: rank {ranks[peer]} sent rank {ranks[ctx.rank]} a message of "
                        "another call (a different collective, or different shapes, dtype, op "

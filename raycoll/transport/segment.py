@@ -233,17 +233,14 @@ class SegmentLane(RoundTransport):
         self._call = call
         self.ctx.note_native(call, plan.steps)
         try:
-            status, peer = self.seg.run(plan.ops, bufs, dtype, op, factor, divisor, call.seq,
-                                        self._fps.encode(call.fp) if fp is None else fp,
-                                        self._policy if may_spin() else self._no_spin,
-                                        self._check)
-        except errors.RaycollError:
-            self._broken()
-            raise
+            status, peer, _, broke, exc = self.seg.run(
+                plan.ops, bufs, dtype, op, factor, divisor, call.seq,
+                self._fps.encode(call.fp) if fp is None else fp,
+                self._policy if may_spin() else self._no_spin, self._check)
         finally:
             self._waiting = None
         if status:
-            raise self._failed(call, status, peer)
+            raise self._failed(call, status, peer, broke, exc)
         self._done = (call.op, call.seq)
         if first:
             self.calls += 1
@@ -321,10 +318,24 @@ class SegmentLane(RoundTransport):
         except ValueError:  # already closed
             pass
 
-    def _failed(self, call: "Call", status: int, peer: int) -> BaseException:
-        """The error for a run that ended with ``status`` (naming group rank ``peer``)."""
+    def _failed(self, call: "Call", status: int, peer: int, broke: bool = False,
+                exc: Optional[BaseException] = None) -> BaseException:
+        """The error for a run that ended with ``status`` (naming group rank ``peer``).
+        ``broke``: the core raised this rank's abort flag itself (the failure came after the
+        call's first step, or was not one that leaves the group usable); ``exc``: what the
+        check raised (status ``CHECK``)."""
         where = f"{call.op} #{call.seq} on group {self.ctx.group_name!r}"
         ranks = self.ctx.global_ranks
+        if status == core.CHECK:
+            if broke:
+                self._poisoned = True
+                self.ctx.fail(exc if isinstance(exc, errors.RaycollError) else
+                              errors.GroupBrokenError(
+                                  f"{where}: rank {ranks[self.ctx.rank]} left the node "
+                                  f"segment mid-call ({type(exc).__name__}: {exc}); the group "
+                                  "is broken", **self.ctx.ctx(call)))
+            assert exc is not None, "the core hands back the check's exception"
+            return exc
         if status == core.MISMATCH:
             parity = self.seg.step & 1
             fps = {r: Fingerprints.decode(self.seg.info(r, parity)["fp"])

@@ -206,6 +206,8 @@ class TcpTransport(RoundTransport):
             self.node_lane.reject(call, message)
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
         super().close()
         if self.node_lane is not None:
             self.node_lane.close()
