@@ -6,7 +6,9 @@ cannot be built (no compiler), raycoll installs without it and runs its Python t
 
 - ``RAYCOLL_NATIVE_REQUIRED=1``: a failed build fails the install;
 - ``RAYCOLL_NATIVE_WERROR=1``: compiler warnings are errors;
-- ``RAYCOLL_NATIVE_SANITIZE=address``: build with AddressSanitizer (the sanitizer run).
+- ``RAYCOLL_NATIVE_SANITIZE=address,undefined``: build with AddressSanitizer and
+  UndefinedBehaviorSanitizer (the sanitizer run; every report is fatal). The built module
+  says so: ``raycoll.native.core.SANITIZE`` is the list, ``""`` in a normal build.
 """
 
 import os
@@ -23,7 +25,8 @@ if sys.platform != "win32":
         flags.append("-Werror")
     sanitize = os.environ.get("RAYCOLL_NATIVE_SANITIZE")
     if sanitize:
-        flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
+        flags += [f"-fsanitize={sanitize}", "-fno-sanitize-recover=all",
+                  "-fno-omit-frame-pointer", "-g", f'-DRAYCOLL_SANITIZE="{sanitize}"']
         link += [f"-fsanitize={sanitize}"]
 libraries = ["rt"] if sys.platform.startswith("linux") else []
 

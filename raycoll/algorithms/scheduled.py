@@ -118,8 +118,8 @@ class ScheduledAlgorithms:
         if got is None:
             # a large buffer is pipelined in segments of about ``stream_bytes``: a round's
             # messages stay in the caches between their receipt and the reduction
-            segments = (-(-n * itemsize // self.stream_bytes) if collective in PIPELINED
-                        else 1)
+            segments = (max(1, -(-n * itemsize // self.stream_bytes))
+                        if collective in PIPELINED else 1)  # (an empty buffer: one)
             schedule = build(collective, algo, self.topology, n, root, segments=segments)
             got = (schedule, rank_plan(schedule, self.ctx.rank, lane.mates if lane else frozenset(),
                                        lane.capacity if lane else 0, itemsize))

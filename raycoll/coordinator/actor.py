@@ -99,6 +99,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._formed = asyncio.Event()
             self._generation += 1
             self._steps.clear()
+            self._check_fps.clear()
             self._broken.clear()
             self._last.clear()
             self._floor.clear()

@@ -22,6 +22,9 @@ from raycoll.coordinator.logic import (EVERY_RANK, Result, err, fingerprint_mism
 from raycoll.coordinator.state import CoordinatorState
 
 
+#: The calls whose waiting ranks' fingerprints the coordinator keeps (the newest).
+_WAITS_KEPT = 1024
+
 #: How a mismatch names a round transport.
 _TRANSPORT_NAMES = {"lane": "the shared-memory lane", "tcp": "direct connections"}
 
@@ -53,6 +56,9 @@ class TransportMixin(CoordinatorState):
         failed = self._unusable(key)
         if failed is not None:
             return failed
+        crossed = self._waits_cross(key, ranks, seq, rank, fp)
+        if crossed is not None:
+            return crossed
         st = self._steps.get((key, seq, 0))
         if st is None or st.error is None and (st.done.is_set() or not st.arrivals):
             return ok()  # nothing there, or the lane's own set-up step
@@ -66,6 +72,26 @@ class TransportMixin(CoordinatorState):
             st.error = err("mismatch", f"{st.op} #{seq} on group {key!r}: {why}")
             self._finish(st)
         return self._collect(key, 0, st, rank)
+
+    def _waits_cross(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int,
+                     fp: Dict[str, Any]) -> Optional[Result]:
+        """Ranks that wait in collective ``seq`` with different fingerprints (a different
+        collective, shape, dtype, op or root) may each wait on a peer that never sends them
+        anything (an all_reduce's ring beside a broadcast's tree): their checks meet here,
+        and the call fails with the mismatch on every rank that waits in it."""
+        waits = self._check_fps
+        entry = waits.get((key, seq))
+        if entry is None:
+            if len(waits) >= _WAITS_KEPT:  # the oldest first: dicts keep insertion order
+                del waits[next(iter(waits))]
+            entry = waits[(key, seq)] = {"fps": {}, "error": None}
+        if entry["error"] is None:
+            entry["fps"][rank] = fp
+            why = fingerprint_mismatch(entry["fps"], ranks)
+            if why:
+                entry["error"] = err("mismatch", f"{fp.get('op', '?')} #{seq} on group "
+                                                 f"{key!r}: {why}")
+        return entry["error"]
 
     def transport_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
                           missing: List[int], progress: Dict[int, Tuple[str, int]],

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 __all__ = ["native_available", "native_status", "core", "DTYPE_CODES", "OP_CODES", "dtype_code",
-           "op_code"]
+           "op_code", "CONN_DTYPE"]
 
 #: Set to ``0`` to run without the native core (the Python transports), e.g. to compare.
 ENV = "RAYCOLL_NATIVE"
@@ -75,6 +75,15 @@ for _i, _name in enumerate(("bool", "int8", "uint8", "int16", "uint16", "int32",
         DTYPE_CODES[np.dtype(_name)] = _i
         DTYPE_CODES[_name] = _i
 # a dtype whose byte order is not the machine's has no code: its reductions stay in numpy
+
+#: A peer's connection state as the core keeps it between runs (net.h's ``rc_conn``), one
+#: per peer slot in a buffer its caller owns: a header read ahead, whether the core shut
+#: either connection, and what moved (payload bytes and whole messages, each way, ever).
+CONN_DTYPE = np.dtype([("held", "<u4"), ("pad", "<u4"), ("msg", "V32"), ("in_cut", "<u4"),
+                       ("out_cut", "<u4"), ("sent", "<u8"), ("received", "<u8"),
+                       ("msgs_sent", "<u4"), ("msgs_received", "<u4")])
+if core is not None and CONN_DTYPE.itemsize != core.CONN_BYTES:  # pragma: no cover - a bug
+    raise ImportError(f"CONN_DTYPE is {CONN_DTYPE.itemsize} bytes, rc_conn {core.CONN_BYTES}")
 
 #: ``ReduceOp`` name -> the native op code (reduce.h's RC_RED_*).
 OP_CODES: Dict[str, int] = {name: i for i, name in enumerate(

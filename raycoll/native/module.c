@@ -677,6 +677,14 @@ PyMODINIT_FUNC PyInit__core(void) {
         {"IOERR", RC_IOERR}, {"CONN_BYTES", RC_CONN_BYTES}, {"MSG_MAGIC", (long)RC_MSG_MAGIC},
         {"END_MAGIC", (long)RC_END_MAGIC}, {"CHECK", RC_CHECK}, {"RETRY", RC_RETRY},
     };
+#ifndef RAYCOLL_SANITIZE
+#define RAYCOLL_SANITIZE ""
+#endif
+    /* the sanitizers this build runs under (setup.py's RAYCOLL_NATIVE_SANITIZE), "" none */
+    if (PyModule_AddStringConstant(m, "SANITIZE", RAYCOLL_SANITIZE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++) {
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {
             Py_DECREF(m);

@@ -128,6 +128,7 @@ static int push(xfer *x, xmsg *m, int *progress) {
     }
     m->state = M_DONE;
     x->net->conns[m->peer].sent += m->total;
+    x->net->conns[m->peer].msgs_sent++;
     return RC_OK;
 }
 
@@ -241,6 +242,7 @@ static int pull(xfer *x, xmsg *m, int *progress) {
                 if (memcmp(&want, &m->end, sizeof want) != 0) return RC_GARBLED;
             }
             net->conns[m->peer].received += m->total;
+            net->conns[m->peer].msgs_received++;
             return RC_OK;
         default:
             return RC_OK;

@@ -62,15 +62,18 @@ typedef struct {
  * buffer the caller owns): a header read ahead, that belongs to a later call, and whether
  * the executor shut either connection (a message was left mid-way on it, or the group
  * broke): a shut connection is never read or written again (the plan check refuses it). */
-#define RC_CONN_BYTES 64
+#define RC_CONN_BYTES 72
 typedef struct {
     uint32_t held;    /* 1: msg is the next message's header, already read */
     uint32_t pad;
     rc_msg msg;
     uint32_t in_cut;  /* 1: the incoming connection is shut */
     uint32_t out_cut; /* 1: the outgoing connection is shut */
-    uint64_t sent;    /* payload bytes sent to this peer (whole messages), ever */
-    uint64_t received; /* payload bytes received from this peer (whole messages), ever */
+    /* what moved, counted where it moves (the caller's counters read these), ever: */
+    uint64_t sent;     /* payload bytes of the whole messages sent to this peer */
+    uint64_t received; /* payload bytes of the whole messages received from it */
+    uint32_t msgs_sent; /* those messages (wrap: the caller reads differences) */
+    uint32_t msgs_received;
 } rc_conn;
 
 /* A group's sockets for one run, by peer slot (the plan's peer numbers). */

@@ -250,7 +250,10 @@ static int gone(const rc_seg *s, int r) {
 #endif
 }
 
-/* A reason to stop waiting other than the step: a peer's abort flag, this rank closing. */
+/* A reason to stop waiting other than the step: a peer's abort flag, this rank closing. A
+ * peer that gave up because a rank died (its own wait found the process gone) raised its
+ * flag at once: where a local rank's process is gone, that rank is named (RC_DEAD), not the
+ * peer that gave up first. */
 static int interrupted(const rc_seg *s, int *peer) {
     if (s->closing) {
         *peer = s->me;
@@ -258,6 +261,12 @@ static int interrupted(const rc_seg *s, int *peer) {
     }
     for (int r = 0; r < s->nranks; r++) {
         if (__atomic_load_n(&s->ctl[r].abort, __ATOMIC_ACQUIRE) != 0) {
+            for (int d = 0; d < s->nranks; d++) {
+                if (d != s->me && gone(s, d)) {
+                    *peer = d;
+                    return RC_DEAD;
+                }
+            }
             *peer = r;
             return RC_ABORTED;
         }

@@ -6,7 +6,7 @@ what each algorithm should cost, so a test compares the two."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Set
+from typing import Any, Dict, Sequence, Set
 
 import numpy as np
 
@@ -65,6 +65,10 @@ class Counters:
         else:
             self.bytes_recv_other_node += nbytes
         self._peers.add(src)
+
+    def add_peers(self, peers: Sequence[int]) -> None:
+        """Group ranks this rank sent to or received from (counted elsewhere)."""
+        self._peers.update(peers)
 
     def add(self, other: "Counters") -> None:
         """Add ``other``'s tally to this one (peers: the union)."""

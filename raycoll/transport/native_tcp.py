@@ -32,7 +32,7 @@ import numpy as np
 from raycoll import errors
 from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.schedule import Schedule
-from raycoll.native import core, dtype_code, op_code
+from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
 from raycoll.transport.base import may_spin
 from raycoll.transport.fingerprints import Fingerprints
 from raycoll.transport.frames import PeerClosed, PeerLeft
@@ -66,7 +66,12 @@ class NativeSockets:
         #: between calls (a header read ahead)
         self.out_fd = np.full(size, -1, dtype=np.int64)
         self.in_fd = np.full(size, -1, dtype=np.int64)
-        self.conns = np.zeros(size * core.CONN_BYTES, dtype=np.uint8)
+        self.conns = np.zeros(size, dtype=CONN_DTYPE)
+        #: what had moved (net.h's counts: bytes and messages each way, by peer) when the
+        #: last run ended, and whether each peer is on this rank's node
+        self._moved = self._counts()
+        nodes = tcp.ctx.node_ids
+        self._same_node = np.array([n == nodes[tcp.ctx.rank] for n in nodes])
         self._plans: Dict[Any, NativePlan] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
         self._fps = Fingerprints()
@@ -182,7 +187,32 @@ class NativeSockets:
             self._execute(call, plan, flat, codes, op)
         finally:
             self._idle()
-        self.tcp.tally(call.op).add(plan.counts)
+        self._tally(call, plan)
+
+    def _counts(self) -> np.ndarray:
+        """(bytes sent, bytes received, messages sent, messages received) by peer, as the
+        core counted them."""
+        c = self.conns
+        return np.stack([c["sent"], c["received"], c["msgs_sent"].astype(np.uint64),
+                         c["msgs_received"].astype(np.uint64)], axis=1)
+
+    def _tally(self, call: "Call", plan: NativePlan) -> None:
+        """The counters gain what the core moved in this run (counted where the bytes move,
+        not taken from the plan); the rounds are the plan's steps with traffic."""
+        now = self._counts()
+        moved = (now - self._moved) & np.uint64(0xFFFFFFFF_FFFFFFFF)
+        moved[:, 2:] &= np.uint64(0xFFFFFFFF)  # the message counts are 32-bit and wrap
+        self._moved = now
+        same = self._same_node
+        tally = self.tcp.tally(call.op)
+        tally.bytes_sent_same_node += int(moved[same, 0].sum())
+        tally.bytes_sent_other_node += int(moved[~same, 0].sum())
+        tally.bytes_recv_same_node += int(moved[same, 1].sum())
+        tally.bytes_recv_other_node += int(moved[~same, 1].sum())
+        tally.messages_sent += int(moved[:, 2].sum())
+        tally.messages_recv += int(moved[:, 3].sum())
+        tally.rounds += plan.rounds
+        tally.add_peers(np.flatnonzero(moved[:, 2] + moved[:, 3]).tolist())
 
     def _execute(self, call: "Call", plan: NativePlan, flat: np.ndarray,
                  codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
@@ -215,6 +245,17 @@ class NativeSockets:
             raise self.tcp.time_out(call, list(pending))
         self.tcp.check(call, list(pending), elapsed)
 
+    def _tell_others(self, call: "Call", message: str) -> None:
+        """The ranks that do not hear from this one (their schedule never reads it, or the
+        rank that left the call out) learn of the mismatch from the coordinator, at their
+        wait's next check."""
+        ctx = self.tcp.ctx
+        try:
+            ctx.client.submit_reject(ctx.group_name, ctx.global_ranks, call.seq, ctx.rank,
+                                     call.op, message, kind="mismatch")
+        except Exception:  # noqa: BLE001 - their wait still ends: the call's timeout
+            pass
+
     def _failed(self, call: "Call", status: int, peer: int, err: int, broke: bool,
                 exc: Optional[BaseException]) -> BaseException:
         """The error of a run that ended with ``status``. ``broke``: the core shut the call's
@@ -239,17 +280,16 @@ class NativeSockets:
             message = (f"{where}: rank {ranks[peer]} sent rank {ranks[ctx.rank]} a message of "
                        "another call (a different collective, or different shapes, dtype, op "
                        "or root)")
-            try:  # the ranks that do not hear from this one learn it from the coordinator
-                ctx.client.submit_reject(ctx.group_name, ranks, call.seq, ctx.rank, call.op,
-                                         message, kind="mismatch")
-            except Exception:  # noqa: BLE001 - the coordinator's check ends their wait anyway
-                pass
+            self._tell_others(call, message)
             return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status == core.SEQ:
             explained = self.tcp._explained(call)
-            return explained if explained is not None else errors.CollectiveMismatchError(
-                f"{where}: rank {ranks[peer]} left it out (it is at a later collective): the "
-                "ranks are out of step", **ctx.ctx(call))
+            if explained is not None:
+                return explained
+            message = (f"{where}: rank {ranks[peer]} left it out (it is at a later "
+                       "collective): the ranks are out of step")
+            self._tell_others(call, message)
+            return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status in (core.PEER_CLOSED, core.FOREIGN):
             exc: BaseException = (PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
                                   if status == core.FOREIGN
