@@ -359,6 +359,9 @@ class NetnsCluster:
                     "RAY_health_check_failure_threshold": str(threshold),
                     "RAY_gcs_rpc_server_reconnect_timeout_s": str(threshold + 60),
                     "RAY_USAGE_STATS_ENABLED": "0",
+                    # a node registers with the GCS within 30 s by default: on a loaded
+                    # machine (a test suite beside other jobs) a start timed out
+                    "RAY_raylet_start_wait_time_s": "120",
                     # Ray's token authentication: a head started with a token file present turns
                     # it on, a driver with RAY_AUTH_MODE unset does not send the token; the
                     # cluster lives on a private bridge of this machine: off, unless set
