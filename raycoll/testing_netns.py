@@ -203,9 +203,27 @@ def _remove(tag: str) -> None:
         if link.startswith(base + "-"):
             _ip("link", "del", link, check=False)  # a veth goes with its peer
     for ns in namespaces:
-        _kill(_ns_pids(ns))
+        inside = _ns_pids(ns)
+        _kill(inside)
+        pids |= inside
         _ip("netns", "del", ns, check=False)
     shutil.rmtree(os.path.join(_TMP, base), ignore_errors=True)
+    _unlink_semaphores(pids)
+
+
+def _unlink_semaphores(pids: Set[int]) -> None:
+    """Remove what the killed raylets ``pids`` left in /dev/shm: the semaphores of Ray's
+    shared-memory channels (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``), which Ray never
+    unlinks (not even at a graceful shutdown)."""
+    if not pids or not os.path.isdir("/dev/shm"):
+        return
+    prefixes = tuple(f"sem.{kind}{pid}-" for pid in pids for kind in ("hdr", "obj"))
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def sweep_stale() -> List[str]:
