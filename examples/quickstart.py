@@ -42,10 +42,12 @@ def main() -> None:
     world_size = 2
     for result in raycoll.spawn(train_step, world_size, args=(world_size,),
                                 actor_options={"num_cpus": 0}):
+        # rank r: avg_grad [1.5, 1.5, 1.5, 1.5], gathered [[0, 0], [1, 1]], nodes: one id twice
         print("spawn:", result)
 
     workers = [Worker.remote() for _ in range(3)]
     raycoll.create_group(workers, group_name="dp")
+    # each worker's value is 1 + 2 + 3: [[6.0, 6.0, 6.0]] * 3
     print("driver-formed group 'dp':", ray.get([w.step.remote() for w in workers], timeout=60))
     raycoll.destroy_group("dp")
     print("raycoll quickstart OK")

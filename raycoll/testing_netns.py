@@ -203,9 +203,27 @@ def _remove(tag: str) -> None:
         if link.startswith(base + "-"):
             _ip("link", "del", link, check=False)  # a veth goes with its peer
     for ns in namespaces:
-        _kill(_ns_pids(ns))
+        inside = _ns_pids(ns)
+        _kill(inside)
+        pids |= inside
         _ip("netns", "del", ns, check=False)
     shutil.rmtree(os.path.join(_TMP, base), ignore_errors=True)
+    _unlink_semaphores(pids)
+
+
+def _unlink_semaphores(pids: Set[int]) -> None:
+    """Remove what the killed raylets ``pids`` left in /dev/shm: the semaphores of Ray's
+    shared-memory channels (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``), which Ray never
+    unlinks (not even at a graceful shutdown)."""
+    if not pids or not os.path.isdir("/dev/shm"):
+        return
+    prefixes = tuple(f"sem.{kind}{pid}-" for pid in pids for kind in ("hdr", "obj"))
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def sweep_stale() -> List[str]:
@@ -359,6 +377,9 @@ class NetnsCluster:
                     "RAY_health_check_failure_threshold": str(threshold),
                     "RAY_gcs_rpc_server_reconnect_timeout_s": str(threshold + 60),
                     "RAY_USAGE_STATS_ENABLED": "0",
+                    # a node registers with the GCS within 30 s by default: on a loaded
+                    # machine (a test suite beside other jobs) a start timed out
+                    "RAY_raylet_start_wait_time_s": "120",
                     # Ray's token authentication: a head started with a token file present turns
                     # it on, a driver with RAY_AUTH_MODE unset does not send the token; the
                     # cluster lives on a private bridge of this machine: off, unless set

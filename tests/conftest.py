@@ -3,11 +3,16 @@
 Tests marked ``cluster`` start their own multi-node Ray (``ray.cluster_utils.Cluster``); they
 are moved to the end of the run, where the session's local Ray is shut down for them; tests
 marked ``netns`` (a cluster in network namespaces, raycoll.testing_netns) come after them.
+
+At the end of the session, Ray is shut down and the semaphores of Ray's shared-memory
+channels that the session's Rays left in /dev/shm are removed (see ``pytest_sessionfinish``).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import pytest
 import ray
@@ -16,7 +21,13 @@ import raycoll.testing
 
 import helpers  # noqa: E402 - tests/ is on sys.path under pytest
 
+#: When the session began: Ray semaphores made since then are the session's (its Rays', and
+#: those of the Rays its tests start in processes of their own).
+SESSION_START = time.time()
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A Ray node registers with its GCS within 30 s by default: on a loaded machine (the suite
+# beside other jobs) a start timed out ("The current node timed out during startup").
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # Direct connections between ranks (raycoll.transport.tcp) stay on loopback in tests; set
 # before any Ray starts, so that every worker and every local node inherits it.
 os.environ["RAYCOLL_SOCKET_IFNAME"] = "lo"
@@ -79,3 +90,52 @@ def two_nodes():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+_RAY_SEMAPHORE = re.compile(r"^sem\.(?:hdr|obj)(\d+)-")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def sweep_ray_semaphores(since: float, wait_s: float = 10.0) -> list:
+    """Remove ``/dev/shm/sem.hdr<pid>-*`` and ``sem.obj<pid>-*`` made at ``since`` or later
+    whose creator ``<pid>`` is gone (waiting up to ``wait_s`` for it to exit). Ray's raylet
+    makes a pair for every shared-memory channel (raycoll's lane, compiled graphs) and never
+    unlinks them: not at ``channel.close()``, not when the channel's actors exit, not at
+    ``ray.shutdown()``. A creator that lives is a Ray still running (another job's): kept."""
+    ours = {}
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+        m = _RAY_SEMAPHORE.match(name)
+        if m is None:
+            continue
+        try:
+            if os.stat(os.path.join("/dev/shm", name)).st_mtime >= since - 1:
+                ours[name] = int(m.group(1))
+        except OSError:
+            continue
+    deadline = time.monotonic() + wait_s
+    while any(not _gone(p) for p in ours.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    removed = []
+    for name, pid in sorted(ours.items()):
+        if _gone(pid):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: D103 - pytest hook
+    if ray.is_initialized():
+        ray.shutdown()
+    sweep_ray_semaphores(SESSION_START)

@@ -8,25 +8,30 @@ on the line just before a block marks it:
 - ``<!-- requires: torch -->`` / ``<!-- requires: train -->``: runs only where the extra's
   modules import; otherwise the test skips, naming the missing module.
 
-A block that exits non-zero, or outlives its timeout, fails its test.
+A block that exits non-zero, or outlives its timeout, fails its test. Every ``print`` of a
+runnable block says in a comment on its line what it prints (``# [3. 3. 3. 3.] on each``):
+:data:`PROMISES` holds, for each such comment, the check of the block's output that makes it
+true; a print without a comment, or a comment with no check here, fails the test.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Seconds one block may run (Ray's start included).
-BLOCK_TIMEOUT_S = 90
+BLOCK_TIMEOUT_S = 180
 
 #: The modules an extra named by ``<!-- requires: NAME -->`` must make importable.
 EXTRAS = {
@@ -75,6 +80,91 @@ def _missing(extra: str) -> Optional[str]:
 
 BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
 
+_PRINT = re.compile(r"\bprint\(.*?#\s*(.+?)\s*$")
+
+
+def printed_values(out: str) -> List[Any]:
+    """Every line of ``out`` that is a Python literal, or a list of numpy arrays as numpy
+    prints one (``[array([3., 3.]), ...]``), as that value; other lines (Ray's logs) skipped."""
+    values = []
+    for line in out.splitlines():
+        line = line.strip()
+        try:
+            values.append(ast.literal_eval(line))
+            continue
+        except (ValueError, SyntaxError):
+            pass
+        if line.startswith("[array("):
+            values.append(eval(line, {"__builtins__": {}}, {"array": np.array}))  # noqa: S307
+    return values
+
+
+def _arrays_of(value: float, count: int, size: int) -> Callable[[str], None]:
+    """Checks that a line holds ``count`` arrays of ``size`` elements, each all ``value``."""
+    def check(out: str) -> None:
+        for v in printed_values(out):
+            if (isinstance(v, list) and len(v) == count
+                    and all(isinstance(a, np.ndarray) and a.shape == (size,)
+                            and (a == value).all() for a in v)):
+                return
+        raise AssertionError(f"no line of {count} arrays of {size} x {value} in {out!r}")
+    return check
+
+
+def _lines(*patterns: str) -> Callable[[str], None]:
+    """Checks that every regex of ``patterns`` matches a line of the output."""
+    def check(out: str) -> None:
+        absent = [p for p in patterns if not re.search(p, out, re.M)]
+        assert not absent, f"no line matches {absent} in {out!r}"
+    return check
+
+
+def _value(predicate: Callable[[Any], bool], what: str) -> Callable[[str], None]:
+    """Checks that some printed literal satisfies ``predicate`` (``what`` it should be)."""
+    def holds(v: Any) -> bool:
+        try:
+            return bool(predicate(v))
+        except (ValueError, TypeError):  # numpy arrays compared with lists
+            return False
+
+    def check(out: str) -> None:
+        assert any(holds(v) for v in printed_values(out)), f"no {what} in {out!r}"
+    return check
+
+
+#: What each README comment on a print promises, as a check of the block's stdout.
+PROMISES: Dict[str, Callable[[str], None]] = {
+    "[3. 3. 3. 3.] on each": _arrays_of(3.0, 2, 4),
+    "each rank's last collective": _lines(r"^rank 0: done with all_reduce #1$",
+                                          r"^rank 1: done with all_reduce #1$"),
+    "two arrays of 0.5": _arrays_of(0.5, 2, 3),
+    "[2. 2. 2. 2.] on each": _arrays_of(2.0, 2, 4),
+    "the same gradient on both ranks: [[2.0, 2.0, 2.0, 2.0]]":
+        _value(lambda v: v == [[[2.0] * 4]] * 2, "two gradients [[2.0, 2.0, 2.0, 2.0]]"),
+    "on each worker: rank 0 of 2, rank 1 of 2": _lines(r"\brank 0 of 2$", r"\brank 1 of 2$"),
+    "the shape mismatch, named on both ranks":
+        _value(lambda v: isinstance(v, list) and len(v) == 2 and all(
+            isinstance(m, str) and "all_reduce #1" in m and "disagree on shape" in m
+            and "(2,)" in m and "(3,)" in m for m in v), "two mismatch messages"),
+    "rank 0's timeout, naming rank 1 as missing":
+        _lines(r"barrier #1 .*timed out after 2s: ranks \[1\] never arrived"),
+}
+
+
+def promises(code: str) -> List[str]:
+    """The comments on the print lines of ``code``; a print without one raises."""
+    found = []
+    for line in code.splitlines():
+        if "print(" not in line:
+            continue
+        m = _PRINT.search(line)
+        if m is None:
+            raise AssertionError(f"a README print says nothing of what it prints: {line!r} "
+                                 f"(end its line with a comment that tests/test_readme.py "
+                                 f"checks)")
+        found.append(m.group(1))
+    return found
+
 
 def test_the_readme_has_runnable_blocks() -> None:
     runnable = [b for b in BLOCKS if not b.excerpt]
@@ -99,6 +189,30 @@ def test_readme_block_runs(block: Block) -> None:
                           capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     assert proc.returncode == 0, (f"README.md line {block.line} exited {proc.returncode}:\n"
                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    # workers' prints reach the driver's stdout or stderr (Ray's log streaming)
+    out = proc.stdout + "\n" + proc.stderr
+    for promise in promises(block.code):
+        PROMISES[promise](out)
+
+
+def test_every_print_of_the_readme_has_a_check() -> None:
+    """Each runnable block's prints carry a comment, and each comment a check here; and the
+    checks are not vacuous: each fails on output that lacks what it promises."""
+    used = set()
+    for block in BLOCKS:
+        if not block.excerpt:
+            for promise in promises(block.code):
+                assert promise in PROMISES, (f"README.md line {block.line}: no check of "
+                                             f"'# {promise}' in tests/test_readme.py PROMISES")
+                used.add(promise)
+    assert used == set(PROMISES), f"checks of comments the README lost: {set(PROMISES) - used}"
+    assert len(used) >= 6, used
+    for promise, check in PROMISES.items():
+        for wrong in ("", "[None, None]\nNone", "[array([1., 1., 1., 1.]), array([1., 1., 1., 1.])]"):
+            with pytest.raises(AssertionError):
+                check(wrong)
+    with pytest.raises(AssertionError, match="says nothing"):
+        promises("print(x)\n")
 
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

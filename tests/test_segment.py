@@ -65,8 +65,22 @@ def _pid(rank: int, group: str) -> int:
     return os.getpid()
 
 
+def _wait_in_collective(name: str, ranks: List[int], where: Any, within_s: float = 30.0) -> None:
+    """Poll the group's status until ``ranks`` wait inside collective ``where`` (its op and
+    sequence number), failing the test past ``within_s``."""
+    deadline = time.monotonic() + within_s
+    status: Dict[Any, Any] = {}
+    while time.monotonic() < deadline:
+        status = raycoll.group_status(name)["ranks"]
+        if all(status[r]["waiting"] and tuple(status[r]["last_collective"] or ()) == where
+               for r in ranks):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"ranks {ranks} did not wait in {where} within {within_s}s: {status}")
+
+
 @pytest.mark.timeout(120)
-def test_a_killed_local_peer_is_named_within_a_second_and_leaves_nothing(ray_local):
+def test_a_killed_local_peer_is_named_within_seconds_and_leaves_nothing(ray_local):
     team = [Worker.remote() for _ in range(3)]
     name = f"seg-{uuid.uuid4().hex[:6]}"
     before = _segments()
@@ -75,13 +89,16 @@ def test_a_killed_local_peer_is_named_within_a_second_and_leaves_nothing(ray_loc
         pids = ray.get([a.run.remote(_pid, r, (name,), {}) for r, a in enumerate(team)],
                        timeout=60)
         waiting = [team[r].run.remote(_wait_then_all_reduce, r, (name,), {}) for r in (0, 1)]
-        time.sleep(1.0)  # both wait in the segment for rank 2
+        _wait_in_collective(name, [0, 1], ("all_reduce", 2))  # both wait for rank 2
         killed_at = time.time()
         os.kill(pids[2], 9)
         for got in ray.get(waiting, timeout=60):
             assert got["type"] == "RankFailedError", got
             assert got["failed"] == [2], got
-            assert got["t"] - killed_at < 1.0, got
+            # named by the segment's own pid check: within a second on a quiet machine, a
+            # generous bound here (far below the group's 120 s timeout) for a loaded one
+            assert got["t"] - killed_at < 5.0, got
+            print(f"\nrank 2 named {got['t'] - killed_at:.3f}s after its kill")
         assert _segments() == before
     finally:
         try:
