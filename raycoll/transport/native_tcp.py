@@ -185,6 +185,9 @@ class NativeSockets:
             self._busy += 1
         try:
             self._execute(call, plan, flat, codes, op)
+        except BaseException:
+            self._moved = self._counts()  # a failed call's traffic counts for no call
+            raise
         finally:
             self._idle()
         self._tally(call, plan)
@@ -276,6 +279,12 @@ class NativeSockets:
                              f"({type(exc).__name__}: {exc}); the group is broken",
                              **ctx.ctx(call)))
             return exc
+        if broke and status in (core.MISMATCH, core.SEQ):  # found while a message of this
+            # rank's was left mid-way: the core shut that connection, the group is broken
+            self.tcp.fail_broken()
+            ctx.fail(errors.GroupBrokenError(
+                f"{where}: the ranks' calls differ, and rank {ranks[ctx.rank]} had to leave a "
+                "message mid-way; the group is broken", **ctx.ctx(call)))
         if status == core.MISMATCH:
             message = (f"{where}: rank {ranks[peer]} sent rank {ranks[ctx.rank]} a message of "
                        "another call (a different collective, or different shapes, dtype, op "
@@ -291,15 +300,16 @@ class NativeSockets:
             self._tell_others(call, message)
             return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status in (core.PEER_CLOSED, core.FOREIGN):
-            exc: BaseException = (PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
-                                  if status == core.FOREIGN
-                                  else PeerClosed(f"rank {ranks[peer]} closed the connection"))
-            suspects = self.tcp.links.suspects(peer, exc)
+            closed: BaseException = (
+                PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
+                if status == core.FOREIGN
+                else PeerClosed(f"rank {ranks[peer]} closed the connection"))
+            suspects = self.tcp.links.suspects(peer, closed)
             self.tcp.fail_broken()
             explained = self.tcp._explained(call, suspects)
             if explained is not None:
                 return explained
-            failure = peer_failure(self.tcp.links, ranks, where, peer, exc, **ctx.ctx(call))
+            failure = peer_failure(self.tcp.links, ranks, where, peer, closed, **ctx.ctx(call))
             ctx.fail(failure)
             return failure
         self.tcp.fail_broken()
