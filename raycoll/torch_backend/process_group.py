@@ -9,6 +9,8 @@
   reach ``wait()`` with their types, and the future's error with their messages.
 - the store and rendezvous torch insists on are in :mod:`raycoll.torch_backend.rendezvous`.
 
+Sparse COO tensors go to raycoll's sparse all_reduce (SUM, gloo's semantics; DDP over an
+``nn.Embedding(sparse=True)``); every other call refuses them before anything moves.
 Tensors raycoll cannot take as they are are staged (:class:`_Stage`): bfloat16 reduces in
 float32 (numpy has no bfloat16) and moves as its int16 bits otherwise; non-contiguous tensors
 travel as contiguous copies; results are copied back before the work completes.
@@ -290,6 +292,10 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     # -- reductions
     def allreduce(  # type: ignore[override]  # C++ signature: see the class docstring
             self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+        if any(x.is_sparse for x in tensors):  # DDP's gradients of a sparse nn.Embedding
+            op = _reduce_op(opts)
+            return self._launch(opts, list(tensors), None, lambda a: rc.all_reduce_sparse(
+                list(tensors), op=op, group=self._rc, async_op=a))
         t = _one(tensors, "allreduce")
         op, stage = _reduce_op(opts), _Stage()
         x = stage.out(t, reduce=True)
