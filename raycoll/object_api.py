@@ -23,7 +23,7 @@ this module does not import them: ``raycoll/__init__.py`` hands them over with
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from raycoll import call_options as co
 from raycoll import errors
@@ -52,6 +52,16 @@ class _GroupRankWork(Work):
 
 class ObjectAPI(MoreObjectAPI):
     """torch's ``ProcessGroup`` collective methods (a base of :class:`raycoll.ProcessGroup`)."""
+
+    if TYPE_CHECKING:  # provided by ProcessGroup
+        def rank(self) -> int: ...
+        @property
+        def global_ranks(self) -> Tuple[int, ...]: ...
+        @property
+        def timeout_s(self) -> float: ...
+        def check_usable(self) -> None: ...
+        def take_seq(self) -> int: ...
+        def reject(self, call: Call, exc: BaseException) -> None: ...
 
     def _refuse(self, op: str, exc: BaseException) -> BaseException:
         """``exc`` for a call this rank refused before calling a module function: the call
@@ -90,7 +100,7 @@ class ObjectAPI(MoreObjectAPI):
                 work = _fn("all_reduce")(ts[0], op=o.reduceOp, group=self, async_op=True)
             else:
                 work = _fn("all_reduce_multi")(ts, o.reduceOp, self, True)
-        return work  # type: ignore[no-any-return]  # the module functions' Work
+        return work  # the module functions' Work
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
         """``all_reduce_coalesced`` of ``tensors`` (one dtype, dense) with ``opts.reduceOp``."""
@@ -150,7 +160,7 @@ class ObjectAPI(MoreObjectAPI):
                 work = _fn("broadcast")(ts[0], group=self, async_op=True, group_src=at)
             else:
                 work = _fn("broadcast_multi")(ts, at, index, self, True)
-        return work  # type: ignore[no-any-return]  # the module functions' Work
+        return work  # the module functions' Work
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
                   timeout: Any = None) -> Work:
@@ -162,7 +172,7 @@ class ObjectAPI(MoreObjectAPI):
                 with oc.torch_errors():
                     work = _fn("all_gather")(output_tensors, input_tensors, group=self,
                                              async_op=True)
-                return work  # type: ignore[no-any-return]  # the module functions' Work
+                return work  # the module functions' Work
             ins = oc.tensor_list(input_tensors, "input_tensors", "allgather")
             outs = self._checked("allgather", _allgather_lists, output_tensors, ins, self.size())
             with oc.torch_errors():
@@ -171,7 +181,7 @@ class ObjectAPI(MoreObjectAPI):
                 else:
                     work = _fn("all_gather_multi")(outs, ins, self, True)
                     work._outputs = outs  # torch's future: the lists, as gloo's
-        return work  # type: ignore[no-any-return]  # the module functions' Work
+        return work  # the module functions' Work
 
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
                timeout: Any = None, root: Optional[int] = None) -> Work:

@@ -57,12 +57,12 @@ def options(opts: Any, cls: Type[T], op: str, *, root: Optional[int] = None,
         raise TypeError(f"{op}: pass either opts or root/op/timeout, not both")
     if isinstance(opts, cls):
         return opts
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]  # Options dataclasses
-    lacking = [n for n in names if not hasattr(opts, n)]
+    known = [f.name for f in fields(cls)]  # type: ignore[arg-type]  # Options dataclasses
+    lacking = [n for n in known if not hasattr(opts, n)]
     if lacking:
         raise TypeError(f"{op}: opts must be a raycoll.{cls.__name__} (or torch's), got "
                         f"{type(opts).__name__} without {', '.join(lacking)}")
-    return cls(**{n: getattr(opts, n) for n in names})
+    return cls(**{n: getattr(opts, n) for n in known})
 
 
 def timeout_given(value: Any) -> Any:

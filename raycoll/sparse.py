@@ -14,22 +14,21 @@ collective refuses sparse tensors up front (``raycoll.collectives._tensor``). Th
 synchronous (its second step's size comes from the first); with ``async_op`` it returns a
 completed ``Work``. Torch is imported lazily: only torch makes sparse tensors.
 
-This module sits below :mod:`raycoll.collectives`: the caller hands it its ``run``.
+This module sits below :mod:`raycoll.collectives` and :mod:`raycoll.process_group` (the
+object API asks it :func:`is_sparse`): the caller hands it its ``run``, and a group arrives
+as a ``ProcessGroup`` without this module naming the type.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from raycoll import errors
 from raycoll.reduce_op import ReduceOp, as_reduce_op
 from raycoll.work import Work
-
-if TYPE_CHECKING:
-    from raycoll.process_group import ProcessGroup
 
 __all__ = ["is_sparse", "all_reduce_sparse"]
 
@@ -109,7 +108,7 @@ def all_reduce_sparse(tensors: List[Any], op: Any, group: Any, async_op: bool,
     tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
     state: Dict[str, Any] = {}
 
-    def counts(pg: "ProcessGroup") -> Tuple[Dict[str, Any], Callable[[Any], None]]:
+    def counts(pg: Any) -> Tuple[Dict[str, Any], Callable[[Any], None]]:
         size, np_dtype = _check(tensors, op)
         total = tensors[0].detach().cpu()
         for t in tensors[1:]:
@@ -133,7 +132,7 @@ def all_reduce_sparse(tensors: List[Any], op: Any, group: Any, async_op: bool,
     pg, payload = state["pg"], state["payload"]
     widest = max(int(state["counts"][:, 0].max()), 1)
 
-    def data(pg: "ProcessGroup") -> Tuple[Dict[str, Any], Callable[[Any], None]]:
+    def data(pg: Any) -> Tuple[Dict[str, Any], Callable[[Any], None]]:
         backend = pg.backend("cpu")
 
         def gather(call: Any) -> None:
