@@ -250,21 +250,21 @@ class ObjectAPI(MoreObjectAPI):
         return self._checked(op, oc.single, oc.tensor_list(tensors, "tensors", op),
                              "tensor list", op)
 
-    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Work:  # noqa: N803 - torch's
+    def send(self, tensors: Any, dstRank: int, tag: int) -> Work:  # noqa: N803 - torch's
         """``isend`` of the one tensor of ``tensors`` to group rank ``dstRank``."""
         t = self._p2p_tensor(tensors, "send")
         with oc.torch_errors():
             work: Work = _fn("isend")(t, group=self, tag=tag, group_dst=dstRank)
         return work
 
-    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Work:  # noqa: N803 - torch's
+    def recv(self, tensors: Any, srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's
         """``irecv`` into the one tensor of ``tensors`` from group rank ``srcRank``."""
         t = self._p2p_tensor(tensors, "recv")
         with oc.torch_errors():
             return _GroupRankWork(_fn("irecv")(t, group=self, tag=tag, group_src=srcRank),
                                   self.global_ranks)
 
-    def recv_anysource(self, tensors: Any, tag: int = 0) -> Work:
+    def recv_anysource(self, tensors: Any, tag: int) -> Work:
         """``irecv`` from any rank; ``source_rank()`` then says which (in the group)."""
         t = self._p2p_tensor(tensors, "recv_anysource")
         with oc.torch_errors():

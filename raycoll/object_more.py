@@ -224,11 +224,15 @@ class MoreObjectAPI:
         return {}
 
     # -- what raycoll cannot honour, and what to use instead
-    def split_group(self, *args: Any, **kwargs: Any) -> NoReturn:
+    def split_group(self, ranks: Any, timeout: Any = None, opts: Any = None,
+                    group_name: Optional[str] = None, group_desc: Optional[str] = None,
+                    device_types: Any = None) -> NoReturn:
         _cannot("split_group", "call raycoll.split_group(parent_pg, split_ranks) or "
                 "raycoll.new_group(ranks) on every rank")
 
-    def merge_remote_group(self, *args: Any, **kwargs: Any) -> NoReturn:
+    def merge_remote_group(self, store: Any, size: int, timeout: timedelta = timedelta(
+            seconds=1800), group_name: Optional[str] = None,
+            group_desc: Optional[str] = None) -> NoReturn:
         _cannot("merge_remote_group", "form one group over all the ranks with "
                 "raycoll.create_group / init_process_group")
 

@@ -125,6 +125,7 @@ def test_every_public_method_of_torchs_process_groups_is_on_raycolls():
     # ``name`` is the group's name (a property), as before this API came
     missing = sorted(n for n in names if not hasattr(raycoll.ProcessGroup, n))
     assert missing == []
-    for what in ("split_group", "merge_remote_group", "suspend", "shrink"):
+    for what, args in (("split_group", ([0],)), ("merge_remote_group", (None, 2)),
+                       ("suspend", ()), ("shrink", ([1],))):
         with pytest.raises(NotImplementedError, match="raycoll's ProcessGroup has no"):
-            getattr(raycoll.ProcessGroup, what)(object())
+            getattr(raycoll.ProcessGroup, what)(object(), *args)
