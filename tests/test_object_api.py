@@ -231,6 +231,27 @@ def test_object_api_refuses_bad_arguments_as_torch_at_the_call(ranks):
             assert runtime == (name != "TypeError"), (name, text)
 
 
+def _one_rank_refuses(rank: int) -> Any:
+    pg = raycoll.group.WORLD
+    opts = raycoll.BroadcastOptions()
+    opts.rootRank = -1 if rank == 0 else 0  # only rank 0's call is refused
+    try:
+        pg.broadcast([np.ones(2)], opts).wait()
+        got = "no error"
+    except RuntimeError as exc:
+        got = type(exc).__name__
+    x = np.full(2, rank + 1.0)
+    pg.allreduce([x]).wait()
+    return got, x.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_refused_on_one_rank_fails_its_peers_and_leaves_the_group_usable(ranks):
+    # the group's timeout is 60 s: the peer learns of the refusal, it does not wait it out
+    assert ranks.run(_one_rank_refuses, 2, timeout=60) == [
+        ("InvalidArgumentError", [3.0, 3.0]), ("PeerArgumentError", [3.0, 3.0])]
+
+
 def _several_tensors(rank: int) -> Dict[str, Any]:
     pg, w = raycoll.group.WORLD, raycoll.get_world_size()
     out: Dict[str, Any] = {}

@@ -78,6 +78,24 @@ def test_sparse_allreduce_sums_as_gloo_and_other_calls_refuse_sparse(ranks):
     assert got[0] == got[1]
 
 
+def _sparse_refused_on_one_rank(rank: int) -> Any:
+    op = raycoll.ReduceOp.MAX if rank == 0 else raycoll.ReduceOp.SUM
+    try:
+        raycoll.group.WORLD.allreduce([_sparse(rank)], op).wait()
+        got = "no error"
+    except RuntimeError as exc:
+        got = type(exc).__name__
+    d = torch.full((2,), rank + 1.0)
+    raycoll.all_reduce(d)
+    return got, d.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_sparse_call_refused_on_one_rank_fails_its_peer_not_the_group(ranks):
+    assert ranks.run(_sparse_refused_on_one_rank, 2, timeout=60) == [
+        ("InvalidArgumentError", [3.0, 3.0]), ("PeerArgumentError", [3.0, 3.0])]
+
+
 def _ddp_sparse(rank: int, backend: str, steps: int) -> List[List[float]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
