@@ -1,7 +1,8 @@
 """The ProcessGroup object API with torch tensors: sparse COO tensors all_reduced (SUM) as
 gloo does, on the object API, the module function and torch's backend (DDP over a sparse
 ``nn.Embedding`` equal to gloo's); every other call refusing them before anything moves,
-the group usable after; torch's own Options; every public method of torch 2.13's
+the group usable after; several tensors per list through torch's own ProcessGroup object on
+the raycoll backend; every public method of torch 2.13's
 ``ProcessGroup`` and ``ProcessGroupGloo`` present on raycoll's."""
 
 from __future__ import annotations
@@ -94,6 +95,28 @@ def _sparse_refused_on_one_rank(rank: int) -> Any:
 def test_a_sparse_call_refused_on_one_rank_fails_its_peer_not_the_group(ranks):
     assert ranks.run(_sparse_refused_on_one_rank, 2, timeout=60) == [
         ("InvalidArgumentError", [3.0, 3.0]), ("PeerArgumentError", [3.0, 3.0])]
+
+
+def _torch_backend_lists(rank: int) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("raycoll")
+    try:
+        pg = dist.group.WORLD  # torch's own ProcessGroup object over raycoll's backend
+        a, b = torch.tensor([2.0 * rank]), torch.tensor([2.0 * rank + 1])
+        pg.allreduce([a, b]).wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 1, 1
+        c, d = torch.tensor([10.0 * rank]), torch.tensor([10.0 * rank + 1])
+        pg.broadcast([c, d], opts).wait()
+        return a.tolist(), b.tolist(), c.tolist(), d.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_several_tensors_per_list_through_torchs_process_group_on_raycoll(ranks):
+    assert ranks.run(_torch_backend_lists, 2) == [([6.0], [6.0], [11.0], [11.0])] * 2
 
 
 def _ddp_sparse(rank: int, backend: str, steps: int) -> List[List[float]]:
