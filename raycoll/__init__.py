@@ -40,6 +40,7 @@ from raycoll.call_options import (
     ScatterOptions,
 )
 from raycoll import coalesced as _coalesced, collectives as _collectives, p2p as _p2p
+from raycoll import multi as _multi
 from raycoll.coalesced import all_gather_coalesced, all_reduce_coalesced
 from raycoll.collectives import (
     all_gather,
@@ -76,7 +77,9 @@ from raycoll.errors import (
     SpawnError,
     CodeNotShippableError,
     RaySessionError,
+    InvalidArgumentError,
     TensorSizeError,
+    TensorTypeError,
     UnsupportedOpError,
 )
 from raycoll.gradients import GradientAverager
@@ -122,6 +125,7 @@ from raycoll.groups import (
 from raycoll.object_api import provide as _provide_object_api
 from raycoll.reduce_op import ReduceOp, supports_complex
 from raycoll.store import PrefixStore, Store, get_store
+from raycoll import groups as _groups, store as _store
 from raycoll.work import Future, Work
 from raycoll import torch_backend as _torch_backend
 
@@ -165,7 +169,7 @@ __all__ = [
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
     "SpawnError", "CodeNotShippableError", "RaySessionError", "TensorSizeError",
-    "UnsupportedOpError",
+    "TensorTypeError", "InvalidArgumentError", "UnsupportedOpError",
 ]
 
 #: torch's ``dist.group`` (``group.WORLD``, the default group); no module is named ``group``.
@@ -173,6 +177,6 @@ group = _world_group
 
 # ProcessGroup's object API (pg.allreduce([t], opts)) calls the module functions, which sit
 # above ProcessGroup: they are handed down here rather than imported from below
-_provide_object_api(_collectives, _p2p, _coalesced)
+_provide_object_api(_collectives, _p2p, _coalesced, _multi, _groups, _store)
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is

@@ -2,8 +2,10 @@
 
 Small dataclasses with torch's field names and defaults, set as torch's are, attribute by
 attribute (``opts = AllreduceOptions(); opts.reduceOp = ReduceOp.MAX``) or as keywords.
-Every assignment is checked: an unknown field raises ``AttributeError`` listing the fields,
-a value of the wrong type ``TypeError`` naming the field, what it takes and what came.
+Every assignment is type-checked: an unknown field raises ``AttributeError`` listing the
+fields, a value of the wrong type ``TypeError`` naming the field, what it takes and what came.
+Ranges (a root rank in the group, a root tensor in the list) are the call's to check, as in
+torch: ``opts.rootRank = -1`` is taken, ``pg.broadcast([t], opts)`` refuses it.
 
 ``timeout`` defaults to torch's "unset" value (``timedelta(milliseconds=-1)``): the group's
 timeout applies. A set one bounds that one call (see :func:`call_timeout`).
@@ -35,10 +37,10 @@ def _bool(value: Any, name: str) -> bool:
 
 
 def _rank(value: Any, name: str) -> int:
+    """An int; its range is checked by the call that reads it (as torch's: a negative
+    ``rootRank`` is taken here and refused by ``pg.broadcast``)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r:.80}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
     return int(value)
 
 
@@ -107,7 +109,8 @@ class AllreduceCoalescedOptions(AllreduceOptions):
 @dataclass(eq=True)
 class BroadcastOptions(_Options):
     """torch's ``BroadcastOptions``: the root's rank in the group, the root tensor's index
-    in the list (raycoll takes one tensor: 0), a per-call timeout, ``asyncOp``."""
+    in the root's list (the tensor every tensor of every rank gets), a per-call timeout,
+    ``asyncOp``."""
 
     rootRank: int = 0
     rootTensor: int = 0

@@ -35,8 +35,9 @@ def _same_dtype(infos: Sequence[TensorInfo], name: str) -> None:
     base = _REAL.get(infos[0].dtype, infos[0].dtype)
     for i, info in enumerate(infos):
         if _REAL.get(info.dtype, info.dtype) != base:
-            raise TypeError(f"{name}[{i}] has dtype {info.dtype}, expected {infos[0].dtype} "
-                            f"(that of {name}[0]): coalesced tensors share one dtype")
+            raise errors.TensorTypeError(
+                f"tensors must all have the same type: {name}[{i}] has dtype {info.dtype}, "
+                f"expected {infos[0].dtype} (that of {name}[0])")
         if info.device != infos[0].device:
             raise ValueError(f"{name}[{i}] is on {info.device}, expected {infos[0].device}")
 
@@ -45,7 +46,8 @@ def _tensors(values: Any, name: str, *, writable: bool) -> List[TensorInfo]:
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(values).__name__}")
     if not values:
-        raise ValueError(f"{name} must hold at least one tensor")
+        raise errors.InvalidArgumentError(f"requires non-empty tensor list: {name} must hold "
+                                          "at least one tensor")
     infos = [_tensor(v, f"{name}[{i}]", writable=writable) for i, v in enumerate(values)]
     _same_dtype(infos, name)
     return infos
@@ -144,14 +146,15 @@ def all_gather_coalesced(output_tensor_lists: List[List[Tensor]], input_tensor_l
     ``input_tensor_list[i]``, in one fused round for CPU tensors; with ``async_op`` returns a
     future of the output tensors."""
     def prepare(pg: ProcessGroup) -> Prepared:
+        if not isinstance(output_tensor_lists, list) or not all(
+                isinstance(o, (list, tuple)) for o in output_tensor_lists):
+            raise TypeError("Invalid function argument: output_tensor_lists must be a list of "
+                            "lists of tensors (one list per rank)")
         ins = _tensors(input_tensor_list, "input_tensor_list", writable=False)
-        if not isinstance(output_tensor_lists, list):
-            raise TypeError("output_tensor_lists must be a list (one list of tensors per rank), "
-                            f"got {type(output_tensor_lists).__name__}")
         if len(output_tensor_lists) != pg.size():
             raise errors.TensorSizeError(
-                f"output_tensor_lists must have one list per rank: expected {pg.size()}, "
-                f"got {len(output_tensor_lists)}")
+                f"output lists should be equal to world size: output_tensor_lists must have "
+                f"one list per rank, expected {pg.size()}, got {len(output_tensor_lists)}")
         for r, outs in enumerate(output_tensor_lists):
             name = f"output_tensor_lists[{r}]"
             infos = _tensors(outs, name, writable=True)
@@ -159,12 +162,14 @@ def all_gather_coalesced(output_tensor_lists: List[List[Tensor]], input_tensor_l
                 raise errors.TensorSizeError(f"{name} must have one tensor per input tensor: "
                                              f"expected {len(ins)}, got {len(infos)}")
             for i, (out, inp) in enumerate(zip(infos, ins)):
-                if out.dtype != inp.dtype:
-                    raise TypeError(f"{name}[{i}] has dtype {out.dtype}, expected {inp.dtype}")
                 if out.numel != inp.numel:
                     raise errors.TensorSizeError(
-                        f"{name}[{i}] has shape {out.shape}, expected {inp.numel} elements "
-                        f"(input_tensor_list[{i}] has shape {inp.shape})")
+                        f"invalid size of output tensor at index {i}: {name}[{i}] has shape "
+                        f"{out.shape}, expected {inp.numel} elements (input_tensor_list[{i}] "
+                        f"has shape {inp.shape})")
+                if out.dtype != inp.dtype:
+                    raise errors.TensorTypeError(f"invalid tensor type at index {i}: {name}[{i}] "
+                                                 f"has dtype {out.dtype}, expected {inp.dtype}")
         backend = _backend(pg, ins[0])
         as_real = _as_real(ins)
         fp = {"dtypes": tuple(i.dtype for i in ins), "shapes": tuple(i.shape for i in ins),

@@ -18,12 +18,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, overloa
 import numpy as np
 
 from raycoll import errors
+from raycoll import sparse as _sparse
 from raycoll.backends.base import CollectiveBackend
 from raycoll.call_options import call_timeout_s
 from raycoll.context import Call
 from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupLike, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
+from raycoll.sparse import is_sparse
 from raycoll.tensors import TensorInfo, describe, is_tensor
 from raycoll.work import Work
 
@@ -68,6 +70,11 @@ def _run(op: str, group: GroupLike, async_op: bool, prepare: Callable[[ProcessGr
 
 
 def _tensor(value: Any, name: str, *, writable: bool = False) -> TensorInfo:
+    if getattr(value, "is_sparse", False) or getattr(value, "is_sparse_csr", False):
+        raise errors.TensorTypeError(
+            f"invalid tensor layout: {name} is a sparse tensor ({value.layout}); raycoll "
+            "takes sparse COO tensors in all_reduce (SUM) only, as gloo: pass "
+            f"{name}.to_dense()")
     info = describe(value, name)
     if info.dtype == "object":
         raise TypeError(f"{name} has dtype object: tensors hold numbers (or bool, str, dates); "
@@ -97,13 +104,15 @@ def _tensor_list(values: Any, name: str, size: int, *, writable: bool = False,
 
 
 def _same(info: TensorInfo, like: TensorInfo, name: str, *, shape: bool = True) -> None:
+    """``info`` like ``like`` (gloo's words first: torch's tests match on them)."""
     if info.dtype != like.dtype:
-        raise TypeError(f"{name} has dtype {info.dtype}, expected {like.dtype}")
+        raise errors.TensorTypeError(f"invalid tensor type: {name} has dtype {info.dtype}, "
+                                     f"expected {like.dtype}")
     if info.device != like.device:
         raise ValueError(f"{name} is on {info.device}, expected {like.device}")
     if shape and info.numel != like.numel:
-        raise errors.TensorSizeError(f"{name} has shape {info.shape}, expected {like.numel} "
-                                     f"elements (shape {like.shape})")
+        raise errors.TensorSizeError(f"invalid tensor size: {name} has shape {info.shape}, "
+                                     f"expected {like.numel} elements (shape {like.shape})")
 
 
 def _np_dtype(info: TensorInfo) -> Optional[np.dtype]:
@@ -172,7 +181,10 @@ def _backend(pg: ProcessGroup, info: TensorInfo) -> CollectiveBackend:
 # ---------------------------------------------------------------------- reductions
 def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None,
                async_op: bool = False) -> Optional[Work]:
-    """Reduce ``tensor`` across all ranks, in place; every rank gets the result."""
+    """Reduce ``tensor`` across all ranks, in place; every rank gets the result. A sparse
+    COO tensor is summed as gloo sums it (:mod:`raycoll.sparse`)."""
+    if is_sparse(tensor):
+        return all_reduce_sparse([tensor], op, group, async_op)
     if not async_op and type(tensor) is np.ndarray and type(op) is ReduceOp:  # short path
         pg = world().default if group is None else (
             world().groups.get(group) if type(group) is str else group)
@@ -187,6 +199,13 @@ def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: GroupLike = None,
         return fp, lambda call: backend.all_reduce(tensor, rop, call)
 
     return _run("all_reduce", group, async_op, prepare, [tensor])
+
+
+def all_reduce_sparse(tensors: List[Tensor], op: Any = ReduceOp.SUM, group: GroupLike = None,
+                      async_op: bool = False) -> Optional[Work]:
+    """Sum sparse COO ``tensors`` over the list and the ranks, in place (gloo's sparse
+    ``allreduce``; see :mod:`raycoll.sparse`)."""
+    return _sparse.all_reduce_sparse(tensors, op, group, async_op, _run)
 
 
 def reduce(tensor: Tensor, dst: Optional[int] = None, op: Any = ReduceOp.SUM,
@@ -207,16 +226,50 @@ def reduce(tensor: Tensor, dst: Optional[int] = None, op: Any = ReduceOp.SUM,
 
 def reduce_scatter(output: Tensor, input_list: List[Tensor], op: Any = ReduceOp.SUM,
                    group: GroupLike = None, async_op: bool = False) -> Optional[Work]:
-    """Reduce ``input_list[i]`` over ranks into rank i's ``output``."""
+    """Reduce ``input_list[i]`` over ranks into rank i's ``output``. As gloo, the ranks'
+    outputs may differ in size: ``input_list[i]`` has rank i's size (the same list of sizes
+    on every rank)."""
     def prepare(pg: ProcessGroup) -> Prepared:
         info = _tensor(output, "output", writable=True)
-        _tensor_list(input_list, "input_list", pg.size(), like=info)
+        ins = _tensor_list(input_list, "input_list", pg.size())
+        for i, x in enumerate(ins):
+            _same(x, info, f"input_list[{i}]", shape=False)
+        mine = ins[pg.rank()]
+        if mine.numel != info.numel:
+            raise errors.TensorSizeError(
+                f"invalid tensor size: input_list[{pg.rank()}] (this rank's part) has shape "
+                f"{mine.shape}, output has {info.numel} elements (shape {info.shape})")
         rop = _reduce_op(op, info)
         backend = _backend(pg, info)
-        fp = {"dtype": info.dtype, "shape": info.shape, "reduce_op": rop.key, "device": info.device}
+        numels = tuple(x.numel for x in ins)
+        fp = {"dtype": info.dtype, "numels": numels, "reduce_op": rop.key,
+              "device": info.device}
+        if len(set(numels)) > 1:
+            if info.device != "cpu" or info.dtype == "bfloat16":
+                raise ValueError(f"input_list's parts differ in size {list(numels)}: raycoll "
+                                 "takes parts of several sizes on CPU tensors (not bfloat16)")
+            return fp, lambda call: _reduce_scatter_uneven(backend, output, input_list,
+                                                           numels, rop, call)
         return fp, lambda call: backend.reduce_scatter(output, list(input_list), rop, call)
 
     return _run("reduce_scatter", group, async_op, prepare, [output])
+
+
+def _reduce_scatter_uneven(backend: CollectiveBackend, output: Tensor, inputs: List[Tensor],
+                           numels: Sequence[int], rop: ReduceOp, call: Call) -> None:
+    """reduce_scatter of parts of several sizes: each padded to the largest, one
+    ``reduce_scatter_tensor``, this rank's part taken back (CPU tensors)."""
+    from raycoll.tensors import host_view
+
+    widest = max(numels)
+    views = [host_view(x, f"input_list[{i}]").reshape(-1) for i, x in enumerate(inputs)]
+    flat = np.zeros((len(views), widest), dtype=views[0].dtype)
+    for i, view in enumerate(views):
+        flat[i, :view.size] = view
+    out = np.empty(widest, dtype=flat.dtype)
+    backend.reduce_scatter_tensor(out, flat.reshape(-1), rop, call)
+    target = host_view(output, "output")
+    target[...] = out[:target.size].reshape(target.shape)
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = ReduceOp.SUM,

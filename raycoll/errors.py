@@ -29,6 +29,10 @@ torch's backends (and ``ray.util.collective``) raise there, so that code catchin
 
     TensorSizeError (ValueError, RuntimeError)      a tensor list of the wrong length, a
                                                     tensor of the wrong size (all_gather, ...)
+    TensorTypeError (TypeError, RuntimeError)       tensors of a list that differ in dtype or
+                                                    layout (gloo's "invalid tensor type")
+    InvalidArgumentError (ValueError, RuntimeError) any other argument the ProcessGroup object
+                                                    API refuses (gloo's "invalid root rank")
     UnsupportedOpError (ValueError, TypeError)      a ReduceOp the dtype does not support
                                                     (MAX on complex, BAND on float, ...)
 
@@ -59,6 +63,8 @@ __all__ = [
     "RaySessionError",
     "TransferError",
     "TensorSizeError",
+    "TensorTypeError",
+    "InvalidArgumentError",
     "UnsupportedOpError",
 ]
 
@@ -172,6 +178,18 @@ class TransferError(RaycollError):
 class TensorSizeError(ValueError, RuntimeError):
     """A tensor list of the wrong length or a tensor of the wrong size: a ``ValueError`` (an
     invalid argument) that is also the ``RuntimeError`` torch's and Ray's collectives raise."""
+
+
+class TensorTypeError(TypeError, RuntimeError):
+    """Tensors that should share a dtype or layout do not (or a tensor of a layout the call
+    cannot take, a sparse one): the ``TypeError`` raycoll's functions raise, and the
+    ``RuntimeError`` torch's backends (gloo) raise there."""
+
+
+class InvalidArgumentError(ValueError, RuntimeError):
+    """An argument of the ``ProcessGroup`` object API (``pg.broadcast([t], opts)``...) that
+    the call refuses: a root rank out of range, a list of the wrong length. A ``ValueError``
+    (an invalid argument) that is also the ``RuntimeError`` torch's backends raise there."""
 
 
 class UnsupportedOpError(ValueError, TypeError):

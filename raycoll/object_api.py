@@ -3,14 +3,18 @@
 torch's tests and libraries drive a process group object directly, with tensor lists and an
 Options object (:mod:`raycoll.call_options`). :class:`ObjectAPI`, a base of
 :class:`raycoll.ProcessGroup`, gives raycoll's groups those methods with torch's argument
-conventions: one tensor per list (raycoll's backends take one, as torch's do), roots as
+conventions and gloo's semantics: several tensors in a list where gloo takes them
+(``allreduce``, ``broadcast``, ``allgather``: one collective on the data plane, see
+:mod:`raycoll.multi`), sparse COO tensors in ``allreduce`` (:mod:`raycoll.sparse`), roots as
 ranks *in the group* (``opts.rootRank``, ``dstRank``, ``srcRank``), the op in
-``opts.reduceOp``, a per-call ``opts.timeout``. Each method checks what only it takes and
-calls the module function (``raycoll.all_reduce``, ...) on this group with
-``async_op=True``: the same path, the same checks, the same errors. Each returns a
-:class:`~raycoll.Work`; a receive's ``source_rank()`` is the sender's rank in this group,
-as torch's object API has it. An Options object may be raycoll's or torch's (its fields are
-read and checked).
+``opts.reduceOp``, a per-call ``opts.timeout``, and torch's overloads (``pg.broadcast(x,
+root=0)``, ``pg.allreduce(x, op)``). Each method makes gloo's checks in gloo's order
+(:mod:`raycoll.object_checks`; errors are ``RuntimeError`` as torch's), then calls the
+module function (``raycoll.all_reduce``, ...) on this group with ``async_op=True``: the same
+path, the same checks. A call refused on this rank still takes its sequence number and tells
+the peers (they raise ``PeerArgumentError``), so a refused call never breaks the group. Each
+returns a :class:`~raycoll.Work`; a receive's ``source_rank()`` is the sender's rank in this
+group. The rest of torch's ``ProcessGroup`` methods are in :mod:`raycoll.object_more`.
 
 The module functions sit above ``ProcessGroup`` (they resolve groups and call into them), so
 this module does not import them: ``raycoll/__init__.py`` hands them over with
@@ -19,80 +23,18 @@ this module does not import them: ``raycoll/__init__.py`` hands them over with
 
 from __future__ import annotations
 
-import concurrent.futures
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from raycoll import call_options as co
+from raycoll import errors
+from raycoll import object_checks as oc
+from raycoll.context import Call
+from raycoll.object_more import MoreObjectAPI, _fn, _from_future, provide
+from raycoll.sparse import is_sparse
 from raycoll.tensors import is_tensor
 from raycoll.work import Work
 
 __all__ = ["ObjectAPI", "provide"]
-
-T = TypeVar("T")
-
-#: The module functions (raycoll.collectives, raycoll.p2p and raycoll.coalesced), handed over
-#: by raycoll/__init__.py.
-_FUNCTIONS: List[Any] = []
-
-
-def provide(*modules: Any) -> None:
-    """Hand this module the module functions it calls (once, from ``raycoll/__init__.py``)."""
-    _FUNCTIONS[:] = list(modules)
-
-
-def _fn(name: str) -> Any:
-    for module in _FUNCTIONS:
-        found = getattr(module, name, None)
-        if found is not None:
-            return found
-    raise RuntimeError(f"raycoll's {name} is not available: import raycoll (the package) "
-                       "before using a ProcessGroup's methods")
-
-
-def _options(opts: Any, cls: Type[T], op: str) -> T:
-    """``opts`` as ``cls``: ``None`` gives the defaults; raycoll's, or torch's (or anything
-    with the same fields: each one is read and checked)."""
-    if opts is None:
-        return cls()
-    if isinstance(opts, cls):
-        return opts
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]  # the Options dataclasses
-    lacking = [n for n in names if not hasattr(opts, n)]
-    if lacking:
-        raise TypeError(f"{op}: opts must be a raycoll.{cls.__name__} (or torch's), got "
-                        f"{type(opts).__name__} without {', '.join(lacking)}")
-    return cls(**{n: getattr(opts, n) for n in names})
-
-
-def _one(values: Any, name: str, op: str) -> Any:
-    """The one tensor of a torch-style tensor list (a bare tensor is taken as it is)."""
-    if is_tensor(values):
-        return values
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{op}: {name} must be a list holding one tensor, got "
-                        f"{type(values).__name__}")
-    if len(values) != 1:
-        raise ValueError(f"{op}: {name} must hold one tensor (raycoll takes one tensor per "
-                         f"call, as torch's backends do), got {len(values)}")
-    return values[0]
-
-
-def _rooted(values: Any, name: str, op: str, is_root: bool, role: str) -> Optional[List[Any]]:
-    """The one list of a torch-style list of lists (``[[t0, ..., tn]]``), given on the root
-    only (an empty list elsewhere)."""
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{op}: {name} must be a list of lists of tensors, got "
-                        f"{type(values).__name__}")
-    if not is_root:
-        if len(values) and not (len(values) == 1 and not values[0]):
-            raise ValueError(f"{op}: {name} must be empty on a rank that is not the {role} "
-                             f"(got {len(values)} list(s))")
-        return None
-    if len(values) != 1 or not isinstance(values[0], (list, tuple)):
-        raise ValueError(f"{op}: {name} must be [[one tensor per rank]] on the {role}, got "
-                         f"{len(values)} entries")
-    return list(values[0])
 
 
 class _GroupRankWork(Work):
@@ -108,155 +50,263 @@ class _GroupRankWork(Work):
         return self._global_ranks.index(super().source_rank())
 
 
-def _from_future(future: Any, describe: str, outputs: List[Any]) -> Work:
-    """A ``Work`` over a future (``all_reduce_coalesced`` returns one)."""
-    inner: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-
-    def done(fut: Any) -> None:
-        try:
-            fut.value()
-        except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            inner.set_exception(exc)
-        else:
-            inner.set_result(None)
-
-    future.add_done_callback(done)
-    return Work(inner, describe=describe, outputs=outputs)
-
-
-class ObjectAPI:
-    """torch's ``ProcessGroup`` methods (a base of :class:`raycoll.ProcessGroup`)."""
+class ObjectAPI(MoreObjectAPI):
+    """torch's ``ProcessGroup`` collective methods (a base of :class:`raycoll.ProcessGroup`)."""
 
     if TYPE_CHECKING:  # provided by ProcessGroup
         def rank(self) -> int: ...
-        def size(self) -> int: ...
-        @property
-        def name(self) -> str: ...
         @property
         def global_ranks(self) -> Tuple[int, ...]: ...
+        @property
+        def timeout_s(self) -> float: ...
+        def check_usable(self) -> None: ...
+        def take_seq(self) -> int: ...
+        def reject(self, call: Call, exc: BaseException) -> None: ...
 
-    def _root_rank(self, opts: Any, op: str) -> int:
+    def _refuse(self, op: str, exc: BaseException) -> BaseException:
+        """``exc`` for a call this rank refused before calling a module function: the call
+        still takes its sequence number and the peers are told, as the module functions do."""
+        self.check_usable()
+        self.reject(Call(op, self.take_seq(), self.timeout_s, {"op": op}), exc)
+        return exc
+
+    def _checked(self, op: str, check: Any, *args: Any) -> Any:
+        try:
+            return check(*args)
+        except (ValueError, TypeError) as exc:
+            with oc.torch_errors():
+                raise self._refuse(op, exc)
+
+    def _root_of(self, opts: Any, op: str) -> int:
         root = int(opts.rootRank)
-        if root >= self.size():
-            raise ValueError(f"{op}: opts.rootRank={root} is out of range for group "
-                             f"{self.name!r} of size {self.size()} (a rank in the group)")
-        if getattr(opts, "rootTensor", 0) != 0:
-            raise ValueError(f"{op}: opts.rootTensor must be 0 (raycoll takes one tensor per "
-                             f"call), got {opts.rootTensor}")
+        self._checked(op, oc.check_root, root, self.size(), op)
         return root
 
     # -- reductions
-    def allreduce(self, tensors: Any, opts: Any = None) -> Work:
-        """``all_reduce`` of the one tensor of ``tensors`` with ``opts.reduceOp``."""
-        o = _options(opts, co.AllreduceOptions, "allreduce")
-        t = _one(tensors, "tensors", "allreduce")
-        with co.call_timeout(co.timeout_s(o)):
-            work: Work = _fn("all_reduce")(t, op=o.reduceOp, group=self, async_op=True)
-        return work
+    def allreduce(self, tensors: Any, opts: Any = None, op: Any = None,
+                  timeout: Any = None) -> Work:
+        """``all_reduce`` of ``tensors`` with ``opts.reduceOp``: several tensors (one dtype
+        and size) are reduced together, each gets the result; sparse COO ones are summed."""
+        o = oc.options(opts, co.AllreduceOptions, "allreduce", reduce_op=op,
+                       timeout=oc.timeout_given(timeout))
+        ts = oc.tensor_list(tensors, "tensors", "allreduce")
+        if not ts:
+            raise self._refuse("allreduce", errors.InvalidArgumentError(
+                "requires non-empty tensor list (allreduce: tensors is empty)"))
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
+            if any(is_sparse(t) for t in ts):
+                work = _fn("all_reduce_sparse")(ts, o.reduceOp, self, True)
+            elif len(ts) == 1:
+                work = _fn("all_reduce")(ts[0], op=o.reduceOp, group=self, async_op=True)
+            else:
+                work = _fn("all_reduce_multi")(ts, o.reduceOp, self, True)
+        return work  # the module functions' Work
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Work:
-        """``all_reduce_coalesced`` of ``tensors`` (one dtype) with ``opts.reduceOp``."""
-        o = _options(opts, co.AllreduceCoalescedOptions, "allreduce_coalesced")
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"allreduce_coalesced: tensors must be a list of tensors, got "
-                            f"{type(tensors).__name__}")
-        with co.call_timeout(co.timeout_s(o)):
-            future = _fn("all_reduce_coalesced")(list(tensors), op=o.reduceOp, group=self,
-                                                 async_op=True)
-        return _from_future(future, f"allreduce_coalesced on group {self.name!r}", list(tensors))
+        """``all_reduce_coalesced`` of ``tensors`` (one dtype, dense) with ``opts.reduceOp``."""
+        o = oc.options(opts, co.AllreduceCoalescedOptions, "allreduce_coalesced")
+        ts = self._checked("allreduce_coalesced", _coalesced_list, tensors)
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
+            future = _fn("all_reduce_coalesced")(ts, op=o.reduceOp, group=self, async_op=True)
+        return _from_future(future, f"allreduce_coalesced on group {self.name!r}", ts)
 
-    def reduce(self, tensors: Any, opts: Any = None) -> Work:
-        """``reduce`` of the one tensor of ``tensors`` into group rank ``opts.rootRank``."""
-        o = _options(opts, co.ReduceOptions, "reduce")
-        t, root = _one(tensors, "tensors", "reduce"), self._root_rank(o, "reduce")
-        with co.call_timeout(co.timeout_s(o)):
+    def reduce(self, tensors: Any, opts: Any = None, op: Any = None, timeout: Any = None,
+               root: Optional[int] = None) -> Work:
+        """``reduce`` of the one tensor of ``tensors`` into group rank ``opts.rootRank``
+        (or the overload's ``root``)."""
+        o = oc.options(opts, co.ReduceOptions, "reduce", root=root, reduce_op=op,
+                       timeout=oc.timeout_given(timeout))
+        ts = oc.tensor_list(tensors, "tensors", "reduce")
+        at = self._root_of(o, "reduce")
+        self._checked("reduce", oc.check_root_tensor, int(o.rootTensor), len(ts), "reduce")
+        t = self._checked("reduce", oc.single, ts, "tensor list", "reduce")
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
             work: Work = _fn("reduce")(t, op=o.reduceOp, group=self, async_op=True,
-                                       group_dst=root)
+                                       group_dst=at)
         return work
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
-        """``reduce_scatter`` into ``output_tensors[0]`` of ``input_tensors[0]`` (a list)."""
-        o = _options(opts, co.ReduceScatterOptions, "reduce_scatter")
-        out = _one(output_tensors, "output_tensors", "reduce_scatter")
-        ins = _rooted(input_tensors, "input_tensors", "reduce_scatter", True, "rank")
-        with co.call_timeout(co.timeout_s(o)):
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
+                       op: Any = None, timeout: Any = None) -> Work:
+        """``reduce_scatter`` into ``output_tensors[0]`` of ``input_tensors[0]`` (a list,
+        whose parts may differ in size as gloo's); the overload takes a tensor and a list."""
+        o = oc.options(opts, co.ReduceScatterOptions, "reduce_scatter", reduce_op=op,
+                       timeout=oc.timeout_given(timeout))
+        if is_tensor(output_tensors):
+            out, ins = output_tensors, input_tensors
+        else:
+            outs = oc.tensor_list(output_tensors, "output_tensors", "reduce_scatter")
+            out = self._checked("reduce_scatter", oc.single, outs, "output tensor list",
+                                "reduce_scatter")
+            ins = self._checked("reduce_scatter", oc.single, list(input_tensors),
+                                "input list", "reduce_scatter")
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
             work: Work = _fn("reduce_scatter")(out, ins, op=o.reduceOp, group=self,
                                                async_op=True)
         return work
 
     # -- data movement
-    def broadcast(self, tensors: Any, opts: Any = None) -> Work:
-        """``broadcast`` of the one tensor of ``tensors`` from group rank ``opts.rootRank``."""
-        o = _options(opts, co.BroadcastOptions, "broadcast")
-        t, root = _one(tensors, "tensors", "broadcast"), self._root_rank(o, "broadcast")
-        with co.call_timeout(co.timeout_s(o)):
-            work: Work = _fn("broadcast")(t, group=self, async_op=True, group_src=root)
-        return work
+    def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None,
+                  root: Optional[int] = None) -> Work:
+        """``broadcast`` from group rank ``opts.rootRank`` (or the overload's ``root``): its
+        ``tensors[opts.rootTensor]`` into every tensor of ``tensors`` on every rank."""
+        o = oc.options(opts, co.BroadcastOptions, "broadcast", root=root,
+                       timeout=oc.timeout_given(timeout))
+        ts = oc.tensor_list(tensors, "tensors", "broadcast")
+        at = self._root_of(o, "broadcast")
+        index = int(o.rootTensor)
+        self._checked("broadcast", oc.check_root_tensor, index, len(ts), "broadcast")
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
+            if len(ts) == 1:
+                work = _fn("broadcast")(ts[0], group=self, async_op=True, group_src=at)
+            else:
+                work = _fn("broadcast_multi")(ts, at, index, self, True)
+        return work  # the module functions' Work
 
-    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
-        """``all_gather`` of ``input_tensors[0]`` into ``output_tensors[0]`` (a list)."""
-        o = _options(opts, co.AllgatherOptions, "allgather")
-        outs = _rooted(output_tensors, "output_tensors", "allgather", True, "rank")
-        t = _one(input_tensors, "input_tensors", "allgather")
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
+                  timeout: Any = None) -> Work:
+        """``all_gather``: each ``output_tensors[j]`` (world size * n tensors) gets every
+        rank's n ``input_tensors`` in rank order; the overload takes a list and a tensor."""
+        o = oc.options(opts, co.AllgatherOptions, "allgather", timeout=oc.timeout_given(timeout))
         with co.call_timeout(co.timeout_s(o)):
-            work: Work = _fn("all_gather")(outs, t, group=self, async_op=True)
-        return work
+            if is_tensor(input_tensors):
+                with oc.torch_errors():
+                    work = _fn("all_gather")(output_tensors, input_tensors, group=self,
+                                             async_op=True)
+                return work  # the module functions' Work
+            ins = oc.tensor_list(input_tensors, "input_tensors", "allgather")
+            outs = self._checked("allgather", _allgather_lists, output_tensors, ins, self.size())
+            with oc.torch_errors():
+                if len(ins) == 1:
+                    work = _fn("all_gather")(outs[0], ins[0], group=self, async_op=True)
+                else:
+                    work = _fn("all_gather_multi")(outs, ins, self, True)
+                    work._outputs = outs  # torch's future: the lists, as gloo's
+        return work  # the module functions' Work
 
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
+               timeout: Any = None, root: Optional[int] = None) -> Work:
         """``gather`` of ``input_tensors[0]`` into ``output_tensors[0]`` on group rank
-        ``opts.rootRank`` (``output_tensors`` empty elsewhere)."""
-        o = _options(opts, co.GatherOptions, "gather")
-        root = self._root_rank(o, "gather")
-        outs = _rooted(output_tensors, "output_tensors", "gather", self.rank() == root, "root")
-        t = _one(input_tensors, "input_tensors", "gather")
-        with co.call_timeout(co.timeout_s(o)):
-            work: Work = _fn("gather")(t, outs, group=self, async_op=True, group_dst=root)
+        ``opts.rootRank`` (``output_tensors`` empty elsewhere); the overload takes a list,
+        a tensor and ``root``."""
+        o = oc.options(opts, co.GatherOptions, "gather", root=root,
+                       timeout=oc.timeout_given(timeout))
+        at = self._root_of(o, "gather")
+        if is_tensor(input_tensors):
+            t, outs = input_tensors, (list(output_tensors) if self.rank() == at else None)
+        else:
+            ins = oc.tensor_list(input_tensors, "input_tensors", "gather")
+            t = self._checked("gather", oc.single, ins, "input tensor list", "gather")
+            outs = self._checked("gather", oc.rooted, output_tensors, "output_tensors",
+                                 "output list", self.size(), self.rank() == at, "gather",
+                                 "Output")
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
+            work: Work = _fn("gather")(t, outs, group=self, async_op=True, group_dst=at)
         return work
 
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Work:
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
+                timeout: Any = None, root: Optional[int] = None) -> Work:
         """``scatter`` of ``input_tensors[0]`` (on group rank ``opts.rootRank``; empty
-        elsewhere) into ``output_tensors[0]``."""
-        o = _options(opts, co.ScatterOptions, "scatter")
-        root = self._root_rank(o, "scatter")
-        t = _one(output_tensors, "output_tensors", "scatter")
-        ins = _rooted(input_tensors, "input_tensors", "scatter", self.rank() == root, "root")
-        with co.call_timeout(co.timeout_s(o)):
-            work: Work = _fn("scatter")(t, ins, group=self, async_op=True, group_src=root)
+        elsewhere) into ``output_tensors[0]``; the overload takes a tensor, a list and
+        ``root``."""
+        o = oc.options(opts, co.ScatterOptions, "scatter", root=root,
+                       timeout=oc.timeout_given(timeout))
+        at = self._root_of(o, "scatter")
+        if is_tensor(output_tensors):
+            t, ins = output_tensors, (list(input_tensors) if self.rank() == at else None)
+        else:
+            outs = oc.tensor_list(output_tensors, "output_tensors", "scatter")
+            t = self._checked("scatter", oc.single, outs, "output tensor list", "scatter")
+            ins = self._checked("scatter", oc.rooted, input_tensors, "input_tensors",
+                                "input list", self.size(), self.rank() == at, "scatter", "Input")
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
+            work: Work = _fn("scatter")(t, ins, group=self, async_op=True, group_src=at)
         return work
 
     def alltoall_base(self, output: Any, input: Any, output_split_sizes: Any,
-                      input_split_sizes: Any, opts: Any = None) -> Work:
+                      input_split_sizes: Any, opts: Any = None, timeout: Any = None) -> Work:
         """``all_to_all_single`` (empty split lists: even splits)."""
-        o = _options(opts, co.AllToAllOptions, "alltoall_base")
+        o = oc.options(opts, co.AllToAllOptions, "alltoall_base",
+                       timeout=oc.timeout_given(timeout))
         outs = list(output_split_sizes) or None
         ins = list(input_split_sizes) or None
-        with co.call_timeout(co.timeout_s(o)):
+        with oc.torch_errors(), co.call_timeout(co.timeout_s(o)):
             work: Work = _fn("all_to_all_single")(output, input, outs, ins, group=self,
                                                   async_op=True)
         return work
 
-    def barrier(self, opts: Any = None) -> Work:
-        """``barrier``, bounded by ``opts.timeout`` when set."""
-        o = _options(opts, co.BarrierOptions, "barrier")
-        work: Work = _fn("barrier")(group=self, async_op=True,
-                                    device_ids=list(o.device_ids) or None,
-                                    timeout=co.timeout_s(o))
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None, timeout: Any = None) -> Work:
+        """``barrier``, bounded by ``opts.timeout`` (or the overload's ``timeout``) when set."""
+        o = oc.options(opts, co.BarrierOptions, "barrier", timeout=oc.timeout_given(timeout))
+        with oc.torch_errors():
+            work: Work = _fn("barrier")(group=self, async_op=True,
+                                        device_ids=list(o.device_ids) or None,
+                                        timeout=co.timeout_s(o))
         return work
 
     # -- point to point (group ranks)
+    def _p2p_tensor(self, tensors: Any, op: str) -> Any:
+        return self._checked(op, oc.single, oc.tensor_list(tensors, "tensors", op),
+                             "tensor list", op)
+
     def send(self, tensors: Any, dstRank: int, tag: int) -> Work:  # noqa: N803 - torch's
         """``isend`` of the one tensor of ``tensors`` to group rank ``dstRank``."""
-        t = _one(tensors, "tensors", "send")
-        work: Work = _fn("isend")(t, group=self, tag=tag, group_dst=dstRank)
+        t = self._p2p_tensor(tensors, "send")
+        with oc.torch_errors():
+            work: Work = _fn("isend")(t, group=self, tag=tag, group_dst=dstRank)
         return work
 
     def recv(self, tensors: Any, srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's
         """``irecv`` into the one tensor of ``tensors`` from group rank ``srcRank``."""
-        t = _one(tensors, "tensors", "recv")
-        return _GroupRankWork(_fn("irecv")(t, group=self, tag=tag, group_src=srcRank),
-                              self.global_ranks)
+        t = self._p2p_tensor(tensors, "recv")
+        with oc.torch_errors():
+            return _GroupRankWork(_fn("irecv")(t, group=self, tag=tag, group_src=srcRank),
+                                  self.global_ranks)
 
     def recv_anysource(self, tensors: Any, tag: int) -> Work:
         """``irecv`` from any rank; ``source_rank()`` then says which (in the group)."""
-        t = _one(tensors, "tensors", "recv_anysource")
-        return _GroupRankWork(_fn("irecv")(t, group=self, tag=tag), self.global_ranks)
+        t = self._p2p_tensor(tensors, "recv_anysource")
+        with oc.torch_errors():
+            return _GroupRankWork(_fn("irecv")(t, group=self, tag=tag), self.global_ranks)
+
+
+def _coalesced_list(tensors: Any) -> List[Any]:
+    """gloo's checks of ``allreduce_coalesced``'s list, in gloo's order."""
+    ts = oc.tensor_list(tensors, "tensors", "allreduce_coalesced")
+    if not ts:
+        raise errors.InvalidArgumentError(
+            "requires non-empty tensor list (allreduce_coalesced: tensors is empty)")
+    if is_sparse(ts[0]):
+        raise errors.TensorTypeError("unsupported layout: allreduce_coalesced takes dense "
+                                        "tensors (sum sparse ones with allreduce)")
+    for i, t in enumerate(ts):
+        if is_sparse(t):
+            raise errors.TensorTypeError(f"invalid tensor layout at index {i}: tensors[{i}] "
+                                            "is sparse, tensors[0] dense")
+        if getattr(t, "dtype", None) != getattr(ts[0], "dtype", None):
+            raise errors.TensorTypeError(
+                f"tensors must all have the same type: tensors[{i}] is {t.dtype}, tensors[0] "
+                f"{ts[0].dtype}")
+    return ts
+
+
+def _allgather_lists(output_tensors: Any, ins: List[Any], size: int) -> List[List[Any]]:
+    """gloo's checks of ``allgather``'s lists, in gloo's order (the tensors' own checks are
+    the module functions')."""
+    if not ins:
+        raise errors.InvalidArgumentError(
+            "requires non-empty input tensor list (allgather: input_tensors is empty)")
+    if not isinstance(output_tensors, (list, tuple)) or \
+            not all(isinstance(x, (list, tuple)) for x in output_tensors):
+        raise TypeError("allgather: output_tensors must be a list of lists of tensors")
+    if len(output_tensors) != len(ins):
+        raise errors.InvalidArgumentError(
+            f"requires input/output tensor lists to have the same length (allgather: "
+            f"{len(output_tensors)} output lists, {len(ins)} inputs)")
+    for j, lst in enumerate(output_tensors):
+        if len(lst) != size * len(ins):
+            raise errors.TensorSizeError(
+                f"invalid output tensor list at index {j} (allgather: expected world size "
+                f"{size} * {len(ins)} inputs = {size * len(ins)} tensors, got {len(lst)})")
+    return [list(x) for x in output_tensors]

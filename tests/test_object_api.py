@@ -43,8 +43,8 @@ def test_options_fields_convert_and_check_their_values():
     opts.reduceOp = "max"
     opts.rootRank = 2
     assert opts == raycoll.ReduceOptions(reduceOp=raycoll.ReduceOp.MAX, rootRank=2)
-    with pytest.raises(ValueError, match="ReduceOptions.rootRank must be >= 0, got -1"):
-        opts.rootRank = -1
+    opts.rootRank = -1  # taken, as torch's: the call checks the range (see _bad_calls)
+    assert opts.rootRank == -1
     with pytest.raises(TypeError, match="ReduceOptions.reduceOp: op must be"):
         opts.reduceOp = 3.5
     barrier = raycoll.BarrierOptions()
@@ -182,34 +182,160 @@ def test_object_api_gives_what_the_module_functions_give(ranks):
     assert got[1]["sub_allreduce"] == got[2]["sub_allreduce"] == [3.0, 3.0]
 
 
-def _bad_calls(rank: int) -> List[str]:
+def _bad_calls(rank: int) -> Dict[str, Any]:
     pg = raycoll.group.WORLD
-    out = []
-    for call in (lambda: pg.allreduce([np.ones(2), np.ones(2)]),
+    out: Dict[str, Any] = {"errors": []}
+    root = raycoll.BroadcastOptions()
+    root.rootRank = -1  # taken at assignment, refused by the call
+    for call in (lambda: pg.allreduce([]),
+                 lambda: pg.allreduce([np.ones(2), np.ones(2, np.float32)]),
+                 lambda: pg.allreduce([np.ones(2), np.ones(3)]),
                  lambda: pg.allreduce([np.ones(2)], raycoll.BroadcastOptions()),
-                 lambda: pg.broadcast([np.ones(2)], raycoll.BroadcastOptions(rootRank=5)),
+                 lambda: pg.broadcast([np.ones(2)], root),
                  lambda: pg.reduce([np.ones(2)], raycoll.ReduceOptions(rootTensor=1)),
+                 lambda: pg.reduce([np.ones(2)] * 2, raycoll.ReduceOptions()),
                  lambda: pg.gather([[np.ones(2)] * 2], [np.ones(2)],
-                                   raycoll.GatherOptions(rootRank=1 - rank))):
+                                   raycoll.GatherOptions(rootRank=1 - rank)),
+                 lambda: pg.scatter([np.ones(2)], [[np.ones(2)]],
+                                    raycoll.ScatterOptions(rootRank=rank)),
+                 lambda: pg.allgather([[np.ones(2)] * 3], [np.ones(2)])):
         try:
             call()
-            out.append("no error")
+            out["errors"].append("no error")
         except (TypeError, ValueError) as exc:
-            out.append(f"{type(exc).__name__}: {exc}")
+            out["errors"].append((isinstance(exc, RuntimeError), type(exc).__name__, str(exc)))
+    x = np.full(2, rank + 1.0)  # every refusal took its turn on every rank: the group works
+    pg.allreduce([x]).wait()
+    out["after"] = x.tolist()
     return out
 
 
 @pytest.mark.timeout(60)
-def test_object_api_refuses_bad_arguments_naming_them(ranks):
+def test_object_api_refuses_bad_arguments_as_torch_at_the_call(ranks):
+    want = [("InvalidArgumentError", "requires non-empty tensor list"),
+            ("TensorTypeError", "invalid tensor type: tensors[1]"),
+            ("TensorSizeError", "invalid tensor size: tensors[1] has shape (3,)"),
+            ("TypeError", "allreduce: opts must be a raycoll.AllreduceOptions (or torch's), "
+                          "got BroadcastOptions without reduceOp"),
+            ("InvalidArgumentError", "invalid root rank: -1"),
+            ("InvalidArgumentError", "invalid root tensor: 1"),
+            ("InvalidArgumentError", "requires a single-element tensor list"),
+            ("InvalidArgumentError", "requires empty output on non-root"),
+            ("InvalidArgumentError", "Incorrect input list size 1. Input list size should be 2"),
+            ("TensorSizeError", "invalid output tensor list at index 0")]
     for got in ranks.run(_bad_calls, 2):
-        assert got[0] == ("ValueError: allreduce: tensors must hold one tensor (raycoll takes "
-                          "one tensor per call, as torch's backends do), got 2")
-        assert got[1].startswith("TypeError: allreduce: opts must be a raycoll.AllreduceOptions"
-                                 " (or torch's), got BroadcastOptions without reduceOp")
-        assert got[2].startswith("ValueError: broadcast: opts.rootRank=5 is out of range")
-        assert got[3].startswith("ValueError: reduce: opts.rootTensor must be 0")
-        assert got[4].startswith("ValueError: gather: output_tensors must be empty on a rank "
-                                 "that is not the root")
+        assert got["after"] == [3.0, 3.0]
+        for (runtime, name, text), (want_name, start) in zip(got["errors"], want):
+            assert name == want_name and text.startswith(start), (name, text)
+            # torch raises RuntimeError for each but a wrong type of opts (pybind's TypeError)
+            assert runtime == (name != "TypeError"), (name, text)
+
+
+def _one_rank_refuses(rank: int) -> Any:
+    pg = raycoll.group.WORLD
+    opts = raycoll.BroadcastOptions()
+    opts.rootRank = -1 if rank == 0 else 0  # only rank 0's call is refused
+    try:
+        pg.broadcast([np.ones(2)], opts).wait()
+        got = "no error"
+    except RuntimeError as exc:
+        got = type(exc).__name__
+    x = np.full(2, rank + 1.0)
+    pg.allreduce([x]).wait()
+    return got, x.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_refused_on_one_rank_fails_its_peers_and_leaves_the_group_usable(ranks):
+    # the group's timeout is 60 s: the peer learns of the refusal, it does not wait it out
+    assert ranks.run(_one_rank_refuses, 2, timeout=60) == [
+        ("InvalidArgumentError", [3.0, 3.0]), ("PeerArgumentError", [3.0, 3.0])]
+
+
+def _several_tensors(rank: int) -> Dict[str, Any]:
+    pg, w = raycoll.group.WORLD, raycoll.get_world_size()
+    out: Dict[str, Any] = {}
+    a, b = np.array([2.0 * rank]), np.array([2.0 * rank + 1])
+    pg.allreduce([a, b]).wait()  # all 2w tensors summed, the sum in each
+    out["sum"] = (a.tolist(), b.tolist())
+    opts = raycoll.AllreduceOptions()
+    opts.reduceOp = raycoll.ReduceOp.MAX
+    a, b = np.array([2.0 * rank]), np.array([2.0 * rank + 1])
+    pg.allreduce([a, b], opts).wait()
+    out["max"] = (a.tolist(), b.tolist())
+    a, b = np.array([3.0 * rank]), np.array([3.0 * rank + 1])
+    pg.allreduce([a, b], raycoll.ReduceOp.AVG).wait()  # torch's (tensors, op) overload
+    out["avg"] = (a.tolist(), b.tolist())
+    xs = [np.full(3, 10.0 * rank + i) for i in range(3)]
+    bopts = raycoll.BroadcastOptions()
+    bopts.rootRank, bopts.rootTensor = w - 1, 2
+    work = pg.broadcast(xs, bopts)
+    work.wait()
+    out["broadcast"] = [x.tolist() for x in xs]
+    ins = [np.array([2.0 * rank]), np.array([2.0 * rank + 1])]
+    outs = [[np.zeros(1) for _ in range(2 * w)] for _ in range(2)]
+    work = pg.allgather(outs, ins)
+    work.wait()
+    out["allgather"] = [[float(x[0]) for x in lst] for lst in outs]
+    out["allgather_value"] = [[float(x[0]) for x in lst] for lst in work.get_future().value()]
+    y = np.array([rank + 1.0])
+    pg.broadcast(y, root=1).wait()  # the overloads of a bare tensor
+    z = np.array([rank + 1.0])
+    pg.reduce(z, root=0, op=raycoll.ReduceOp.MAX).wait()
+    out["overloads"] = (y.tolist(), z.tolist())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_several_tensors_per_list_as_gloo_takes_them(ranks):
+    w = 3
+    got = ranks.run(_several_tensors, w)
+    total = float(sum(range(2 * w)))
+    for rank, g in enumerate(got):
+        assert g["sum"] == ([total], [total])
+        assert g["max"] == ([2.0 * w - 1], [2.0 * w - 1])
+        mean = float(np.mean([3 * r + i for r in range(w) for i in range(2)]))
+        assert g["avg"] == ([mean], [mean])
+        assert g["broadcast"] == [[10.0 * (w - 1) + 2] * 3] * 3
+        assert g["allgather"] == [[float(k) for k in range(2 * w)]] * 2
+        assert g["allgather_value"] == g["allgather"]  # the lists, as gloo's future gives
+        assert g["overloads"][0] == [2.0]
+        assert g["overloads"][1] == ([float(w)] if rank == 0 else [rank + 1.0])
+
+
+def _coalesced_and_uneven(rank: int) -> Dict[str, Any]:
+    pg, w = raycoll.group.WORLD, raycoll.get_world_size()
+    out: Dict[str, Any] = {}
+    ins = [np.full((2, 2), rank + 1.0), np.arange(3.0) + 10 * rank]
+    outs = [np.zeros((2 * w, 2)), np.zeros(3 * w)]
+    pg.allgather_into_tensor_coalesced(outs, ins).wait()
+    out["allgather_into_tensor"] = [o.tolist() for o in outs]
+    ins = [np.arange(2.0 * w) + rank, np.full(w, rank + 1.0)]
+    outs = [np.zeros(2), np.zeros(1)]
+    pg.reduce_scatter_tensor_coalesced(outs, ins).wait()
+    out["reduce_scatter_tensor"] = [o.tolist() for o in outs]
+    parts = [np.full(i, float(i + rank)) for i in range(w)]  # rank i's part has i elements
+    mine = np.zeros(rank)
+    raycoll.reduce_scatter(mine, parts)
+    out["uneven"] = mine.tolist()
+    pg.set_timeout(timedelta(seconds=23))
+    out["timeout"] = (pg.options._timeout, pg.timeout_s)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_coalesced_tensor_calls_uneven_reduce_scatter_and_set_timeout(ranks):
+    w = 3
+    got = ranks.run(_coalesced_and_uneven, w)
+    for rank, g in enumerate(got):
+        first, second = g["allgather_into_tensor"]
+        assert first == [[r + 1.0] * 2 for r in range(w) for _ in range(2)]
+        assert second == [float(i + 10 * r) for r in range(w) for i in range(3)]
+        a, b = g["reduce_scatter_tensor"]
+        assert a == [float(sum(2 * rank + j + r for r in range(w))) for j in range(2)]
+        assert b == [float(sum(r + 1 for r in range(w)))]
+        assert g["uneven"] == [float(sum(rank + r for r in range(w)))] * rank
+        assert g["timeout"] == (timedelta(seconds=23), 23.0)
 
 
 def _per_call_timeout(rank: int) -> Any:

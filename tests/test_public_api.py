@@ -51,7 +51,7 @@ EXPECTED = [
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",
     "GroupBrokenError", "RankFailedError", "CoordinatorDiedError", "BackendUnavailableError",
     "SpawnError", "CodeNotShippableError", "RaySessionError", "TensorSizeError",
-    "UnsupportedOpError",
+    "TensorTypeError", "InvalidArgumentError", "UnsupportedOpError",
 ]
 
 

@@ -9,6 +9,8 @@
   reach ``wait()`` with their types, and the future's error with their messages.
 - the store and rendezvous torch insists on are in :mod:`raycoll.torch_backend.rendezvous`.
 
+Sparse COO tensors go to raycoll's sparse all_reduce (SUM, gloo's semantics; DDP over an
+``nn.Embedding(sparse=True)``); every other call refuses them before anything moves.
 Tensors raycoll cannot take as they are are staged (:class:`_Stage`): bfloat16 reduces in
 float32 (numpy has no bfloat16) and moves as its int16 bits otherwise; non-contiguous tensors
 travel as contiguous copies; results are copied back before the work completes.
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raycoll import collectives as rc
+from raycoll import multi
 from raycoll import p2p
 from raycoll import errors
 from raycoll.torch_backend.names import GroupNames
@@ -290,6 +293,15 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     # -- reductions
     def allreduce(  # type: ignore[override]  # C++ signature: see the class docstring
             self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+        if any(x.is_sparse for x in tensors):  # DDP's gradients of a sparse nn.Embedding
+            op = _reduce_op(opts)
+            return self._launch(opts, list(tensors), None, lambda a: rc.all_reduce_sparse(
+                list(tensors), op=op, group=self._rc, async_op=a))
+        if len(tensors) > 1:  # gloo's: every tensor of every rank reduced together
+            op, stage = _reduce_op(opts), _Stage()
+            xs = [stage.out(x, reduce=True) for x in tensors]
+            return self._launch(opts, list(tensors), stage.finish,
+                                lambda a: multi.all_reduce_multi(xs, op, self._rc, a))
         t = _one(tensors, "allreduce")
         op, stage = _reduce_op(opts), _Stage()
         x = stage.out(t, reduce=True)
@@ -354,6 +366,12 @@ class RaycollProcessGroup(GroupNames, dist.ProcessGroup):
     # -- data movement
     def broadcast(  # type: ignore[override]  # C++ signature: see the class docstring
             self, tensors: List[torch.Tensor], opts: Any = None) -> RaycollWork:
+        if len(tensors) > 1:  # gloo's: the root's tensors[rootTensor] into every tensor
+            stage, root = _Stage(), _root(opts)
+            xs = [stage.out(x) for x in tensors]
+            index = int(getattr(opts, "rootTensor", 0))
+            return self._launch(opts, list(tensors), stage.finish,
+                                lambda a: multi.broadcast_multi(xs, root, index, self._rc, a))
         t = _one(tensors, "broadcast")
         stage, root = _Stage(), _root(opts)
         x = stage.out(t) if self._rc.rank() != root else stage.inp(t)
