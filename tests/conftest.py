@@ -36,13 +36,12 @@ os.environ["RAYCOLL_SOCKET_IFNAME"] = "lo"
 #: The sanitizer run (.ci/run) says which build it means to test: the module loaded here, and
 #: in the rank actors (``ray_local``), must be that one.
 EXPECT_SANITIZE = os.environ.get("RAYCOLL_EXPECT_SANITIZE")
-#: ... with the sanitizers' runtime preloaded here (this process has it from now on): Ray's
-#: own processes (GCS, raylet) start without it, the rank actors' workers with it (the job's
-#: runtime_env), so that only raycoll's processes run the sanitized build.
-SANITIZER_ENV = ({name: os.environ.pop(name) for name in ("LD_PRELOAD",) if name in os.environ}
-                 if EXPECT_SANITIZE is not None else {})
-SANITIZER_ENV.update({name: os.environ[name] for name in ("ASAN_OPTIONS", "UBSAN_OPTIONS")
-                      if SANITIZER_ENV and name in os.environ})
+#: ... with the sanitizers' runtime preloaded (LD_PRELOAD): Ray's own processes (GCS,
+#: raylet) start without it, the rank actors' workers with it (the job's runtime_env), so
+#: that only raycoll's processes run the sanitized build.
+SANITIZER_ENV = ({name: os.environ[name] for name in ("LD_PRELOAD", "ASAN_OPTIONS",
+                                                      "UBSAN_OPTIONS") if name in os.environ}
+                 if EXPECT_SANITIZE is not None and "LD_PRELOAD" in os.environ else {})
 
 
 def _sanitize() -> str:
@@ -76,8 +75,14 @@ def pytest_collection_modifyitems(config, items):  # noqa: D103 - pytest hook
 @pytest.fixture(scope="session")
 def ray_local():
     """A real local Ray with 4 logical CPUs on this 2-core machine."""
-    raycoll.testing.local_ray(num_cpus=4, **(
-        {"runtime_env": {"env_vars": SANITIZER_ENV}} if SANITIZER_ENV else {}))
+    if SANITIZER_ENV:
+        preload = os.environ.pop("LD_PRELOAD")
+        try:
+            raycoll.testing.local_ray(num_cpus=4, runtime_env={"env_vars": SANITIZER_ENV})
+        finally:
+            os.environ["LD_PRELOAD"] = preload
+    else:
+        raycoll.testing.local_ray(num_cpus=4)
     if EXPECT_SANITIZE is not None:
         in_actor = ray.get(ray.remote(num_cpus=0)(_sanitize).remote(), timeout=120)
         assert in_actor == EXPECT_SANITIZE, f"a Ray worker loaded a build with {in_actor!r}"

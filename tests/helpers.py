@@ -280,3 +280,23 @@ def wait_for(predicate: Any, timeout: float = 30.0, every: float = 0.05, what: s
         time.sleep(every)
     assert value, f"not within {timeout:g}s: {what or predicate} (last: {value!r})"
     return value
+
+
+def wait_in_collective(name: str, ranks: Sequence[int], where: Any,
+                       within_s: float = 60.0) -> None:
+    """Poll the group's status until ``ranks`` wait inside collective ``where`` (its op and
+    sequence number), failing the test past ``within_s``."""
+    import time
+
+    import pytest
+    import raycoll
+
+    deadline = time.monotonic() + within_s
+    status: Any = {}
+    while time.monotonic() < deadline:
+        status = raycoll.group_status(name)["ranks"]
+        if all(status[r]["waiting"] and tuple(status[r]["last_collective"] or ()) == where
+               for r in ranks):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"ranks {list(ranks)} did not wait in {where} within {within_s}s: {status}")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest
 import ray
 
-from helpers import soak_module
+from helpers import soak_module, wait_in_collective
 
 import raycoll
 from raycoll.launch import RankWorker
@@ -38,20 +38,6 @@ def _all_reduce(rank: int, group: str, n: int) -> Dict[str, Any]:
                 "failed_ranks": list(getattr(exc, "failed_ranks", ())),
                 "elapsed": time.time() - start}
     return {"ok": True, "value": float(x[0]), "node": ray.get_runtime_context().get_node_id()}
-
-
-def _wait_in_collective(name: str, ranks: List[int], where: Any, within_s: float = 60.0) -> None:
-    """Poll the group's status until ``ranks`` wait inside collective ``where`` (its op and
-    sequence number), failing the test past ``within_s``."""
-    deadline = time.monotonic() + within_s
-    status: Dict[Any, Any] = {}
-    while time.monotonic() < deadline:
-        status = raycoll.group_status(name)["ranks"]
-        if all(status[r]["waiting"] and tuple(status[r]["last_collective"] or ()) == where
-               for r in ranks):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"ranks {ranks} did not wait in {where} within {within_s}s: {status}")
 
 
 def _sleep(rank: int, seconds: float) -> None:
@@ -80,7 +66,7 @@ def test_node_removed_mid_collective_fails_survivors_and_group_reforms(two_nodes
         assert len({w["node"] for w in warm}) == 3
         busy = [team[r].run.remote(_sleep, r, (300.0,), {}) for r in (2, 3)]
         refs = [team[r].run.remote(_all_reduce, r, (name, n), {}) for r in (0, 1)]
-        _wait_in_collective(name, [0, 1], ("all_reduce", 2))  # waiting for ranks 2 and 3
+        wait_in_collective(name, [0, 1], ("all_reduce", 2))  # waiting for ranks 2 and 3
         removed_at = time.time()
         cluster.remove_node(node, allow_graceful=graceful)
         results = ray.get(refs, timeout=120)

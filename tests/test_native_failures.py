@@ -17,7 +17,6 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 import uuid
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 

@@ -16,6 +16,7 @@ import pytest
 import ray
 
 import raycoll
+from helpers import wait_in_collective
 from raycoll.launch import RankWorker
 from raycoll.native import native_available, native_status
 from raycoll.world import world
@@ -65,20 +66,6 @@ def _pid(rank: int, group: str) -> int:
     return os.getpid()
 
 
-def _wait_in_collective(name: str, ranks: List[int], where: Any, within_s: float = 30.0) -> None:
-    """Poll the group's status until ``ranks`` wait inside collective ``where`` (its op and
-    sequence number), failing the test past ``within_s``."""
-    deadline = time.monotonic() + within_s
-    status: Dict[Any, Any] = {}
-    while time.monotonic() < deadline:
-        status = raycoll.group_status(name)["ranks"]
-        if all(status[r]["waiting"] and tuple(status[r]["last_collective"] or ()) == where
-               for r in ranks):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"ranks {ranks} did not wait in {where} within {within_s}s: {status}")
-
-
 @pytest.mark.timeout(120)
 def test_a_killed_local_peer_is_named_within_seconds_and_leaves_nothing(ray_local):
     team = [Worker.remote() for _ in range(3)]
@@ -89,7 +76,7 @@ def test_a_killed_local_peer_is_named_within_seconds_and_leaves_nothing(ray_loca
         pids = ray.get([a.run.remote(_pid, r, (name,), {}) for r, a in enumerate(team)],
                        timeout=60)
         waiting = [team[r].run.remote(_wait_then_all_reduce, r, (name,), {}) for r in (0, 1)]
-        _wait_in_collective(name, [0, 1], ("all_reduce", 2))  # both wait for rank 2
+        wait_in_collective(name, [0, 1], ("all_reduce", 2), 30.0)  # both wait for rank 2
         killed_at = time.time()
         os.kill(pids[2], 9)
         for got in ray.get(waiting, timeout=60):
