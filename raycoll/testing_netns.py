@@ -393,7 +393,8 @@ class NetnsCluster:
                "--disable-usage-stats", f"--object-store-memory={self.object_store_memory}"]
         if ns:
             cmd = ["ip", "netns", "exec", ns, *cmd]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        # a head's start took 41 s to over 120 s on a loaded machine (2 cores, load 30-40)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
