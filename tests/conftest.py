@@ -44,16 +44,10 @@ SANITIZER_ENV = ({name: os.environ[name] for name in ("LD_PRELOAD", "ASAN_OPTION
                  if EXPECT_SANITIZE is not None and "LD_PRELOAD" in os.environ else {})
 
 
-def _sanitize() -> str:
-    from raycoll.native import core
-
-    return core.SANITIZE if core is not None else "(no native core)"
-
-
 def pytest_sessionstart(session):  # noqa: D103 - pytest hook
-    if EXPECT_SANITIZE is not None and _sanitize() != EXPECT_SANITIZE:
+    if EXPECT_SANITIZE is not None and helpers.sanitize() != EXPECT_SANITIZE:
         pytest.exit(f"RAYCOLL_EXPECT_SANITIZE={EXPECT_SANITIZE}, but the native core loaded "
-                    f"here was built with {_sanitize()!r}", returncode=3)
+                    f"here was built with {helpers.sanitize()!r}", returncode=3)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -84,7 +78,7 @@ def ray_local():
     else:
         raycoll.testing.local_ray(num_cpus=4)
     if EXPECT_SANITIZE is not None:
-        in_actor = ray.get(ray.remote(num_cpus=0)(_sanitize).remote(), timeout=120)
+        in_actor = ray.get(ray.remote(num_cpus=0)(helpers.sanitize).remote(), timeout=120)
         assert in_actor == EXPECT_SANITIZE, f"a Ray worker loaded a build with {in_actor!r}"
     yield
     # cluster tests (sorted last) shut it down themselves

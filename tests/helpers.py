@@ -300,3 +300,10 @@ def wait_in_collective(name: str, ranks: Sequence[int], where: Any,
             return
         time.sleep(0.05)
     pytest.fail(f"ranks {list(ranks)} did not wait in {where} within {within_s}s: {status}")
+
+
+def sanitize() -> str:
+    """The sanitizers the native core loaded in this process was built with (``""``: none)."""
+    from raycoll.native import core
+
+    return core.SANITIZE if core is not None else "(no native core)"
