@@ -36,7 +36,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import ray
 
@@ -46,15 +46,18 @@ from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Spare", "ENV", "enabled", "pending", "take", "put_back", "refill", "release", "claim",
-           "unclaim", "find", "claimed", "counts"]
+__all__ = ["Spare", "ENV", "POOL_MAX", "enabled", "pending", "take", "put_back", "refill",
+           "recycle", "release", "claim", "unclaim", "find", "claimed", "counts"]
 
 #: The environment variable that turns spares off (``0``).
 ENV = "RAYCOLL_SPARE_COORDINATOR"
 
 #: The key-value store's namespace for group names.
 _NAMESPACE = "raycoll"
-_KEY = "next"  # the one spare of a session, in _SPARES
+_PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, by their actor's name
+#: The most idle coordinators a process keeps: those recycled by destroyed groups beyond it
+#: are ended (a coordinator is a process: ~60 MB).
+POOL_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,13 @@ class Spare:
 
 _SPARES: session.SessionRecords[Spare] = session.SessionRecords("spare coordinator")
 _LOCK = threading.RLock()
-_COUNTS: Dict[str, int] = {"started": 0, "taken": 0}
+_COUNTS: Dict[str, int] = {"started": 0, "taken": 0, "recycled": 0}
 
 
 def counts() -> Dict[str, int]:
-    """How many coordinators this process started here (``started``), and how many groups
-    took one that had been started ahead (``taken``)."""
+    """How many coordinators this process started here (``started``), how many groups took
+    one that was ready (``taken``: started ahead or recycled), and how many destroyed groups
+    gave theirs back for the next (``recycled``)."""
     with _LOCK:
         return dict(_COUNTS)
 
@@ -91,32 +95,39 @@ def _start(job: str) -> Spare:
     return Spare(handle, name)
 
 
+def _idle(now: Optional[session.SessionKey]) -> List[str]:
+    return [n for n in _SPARES.names(now) if n.startswith(_PREFIX)]
+
+
 def refill(now: Optional[session.SessionKey] = None) -> None:
-    """Start this process's spare coordinator if it has none (in session ``now``, default:
+    """Start a coordinator ahead if this process has none idle (in session ``now``, default:
     the one connected); returns at once, Ray starts the actor in the background. Nothing
     when spares are off or Ray is not initialized."""
     now = now or session.current()
     if now is None or not enabled():
         return
     with _LOCK:
-        if _SPARES.get(_KEY, now) is not None:
+        if _idle(now):
             return
         spare = _start(now[1])
-        _SPARES.add(_KEY, spare, now)
+        _SPARES.add(_PREFIX + spare.name, spare, now)
 
 
 def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
-    """This process's spare coordinator of session ``now`` (default: the one connected),
-    not taken yet; ``None`` if it has none."""
+    """One of this process's idle coordinators of session ``now`` (default: the one
+    connected), the next :func:`take` hands out; ``None`` if it has none."""
+    now = now or session.current()
     with _LOCK:
-        return _SPARES.get(_KEY, now or session.current())
+        names = _idle(now)
+        return _SPARES.get(names[-1], now) if names else None
 
 
 def put_back(spare: Spare, now: session.SessionKey) -> None:
     """Return a coordinator that :func:`take` handed out but no group used (its name was
-    taken): it becomes the spare, or is ended if there is one already."""
+    taken): it is idle again, or ended if the pool is full."""
     with _LOCK:
-        kept = _SPARES.add(_KEY, replace(spare, ahead=True), now)
+        kept = len(_idle(now)) < POOL_MAX and _SPARES.add(_PREFIX + spare.name,
+                                                          replace(spare, ahead=True), now)
         if kept and spare.ahead:
             _COUNTS["taken"] -= 1
     if not kept:
@@ -124,21 +135,49 @@ def put_back(spare: Spare, now: session.SessionKey) -> None:
 
 
 def take(now: session.SessionKey) -> Spare:
-    """This process's spare of session ``now`` (taken: the next :func:`refill` starts
-    another), or a coordinator started now if there is none."""
+    """An idle coordinator of session ``now`` (the one made idle last: recycled or started
+    ahead), or one started now if there is none."""
     with _LOCK:
-        spare = _SPARES.pop(_KEY, now)
+        names = _idle(now)
+        spare = _SPARES.pop(names[-1], now) if names else None
         if spare is not None:
             _COUNTS["taken"] += 1
     return spare if spare is not None else replace(_start(now[1]), ahead=False)
 
 
+def recycle(handle: Any, name: str, now: Optional[session.SessionKey],
+            timeout_s: float = 5.0) -> bool:
+    """Keep the coordinator of a destroyed group (``handle``, Ray actor ``name``) for the next
+    group of this process, if it empties its tables (:meth:`Coordinator.recycle
+    <raycoll.coordinator.actor.Coordinator.recycle>`: refused after a failure or with
+    anything pending) and the pool has room; else end it. True if kept. Forming the next
+    group then starts no process: groups formed back to back take milliseconds."""
+    kept = False
+    if now is not None and enabled():
+        try:
+            result = ray.get(handle.recycle.remote(), timeout=timeout_s)
+            kept = bool(result[0] == "ok" and result[1].get("recycled"))
+        except Exception as exc:  # noqa: BLE001 - dead, busy or gone: end it
+            logger.debug("raycoll: recycling a coordinator failed: %s", exc)
+        if kept:
+            with _LOCK:
+                kept = len(_idle(now)) < POOL_MAX and _SPARES.add(
+                    _PREFIX + name, Spare(handle, name), now)
+                if kept:
+                    _COUNTS["recycled"] += 1
+    if not kept:
+        _kill(handle)
+    return kept
+
+
 def release() -> None:
-    """End this process's spare coordinator now, if it has one (of the session connected)."""
+    """End this process's idle coordinators now (of the session connected)."""
+    now = session.current()
     with _LOCK:
-        spare = _SPARES.pop(_KEY, session.current())
-    if spare is not None:
-        _kill(spare.handle)
+        spares = [_SPARES.pop(n, now) for n in _idle(now)]
+    for spare in spares:
+        if spare is not None:
+            _kill(spare.handle)
 
 
 def _kill(handle: Any) -> None:
