@@ -31,6 +31,7 @@ actors) keep their Ray name, as before.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -54,7 +55,8 @@ ENV = "RAYCOLL_SPARE_COORDINATOR"
 
 #: The key-value store's namespace for group names.
 _NAMESPACE = "raycoll"
-_PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, by their actor's name
+_PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, in the order made idle
+_SEQ = itertools.count()
 #: The most idle coordinators a process keeps: those recycled by destroyed groups beyond it
 #: are ended (a coordinator is a process: ~60 MB).
 POOL_MAX = 8
@@ -95,6 +97,10 @@ def _start(job: str) -> Spare:
     return Spare(handle, name)
 
 
+def _key() -> str:
+    return f"{_PREFIX}{next(_SEQ):010d}"
+
+
 def _idle(now: Optional[session.SessionKey]) -> List[str]:
     return [n for n in _SPARES.names(now) if n.startswith(_PREFIX)]
 
@@ -110,7 +116,7 @@ def refill(now: Optional[session.SessionKey] = None) -> None:
         if _idle(now):
             return
         spare = _start(now[1])
-        _SPARES.add(_PREFIX + spare.name, spare, now)
+        _SPARES.add(_key(), spare, now)
 
 
 def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
@@ -126,7 +132,7 @@ def put_back(spare: Spare, now: session.SessionKey) -> None:
     """Return a coordinator that :func:`take` handed out but no group used (its name was
     taken): it is idle again, or ended if the pool is full."""
     with _LOCK:
-        kept = len(_idle(now)) < POOL_MAX and _SPARES.add(_PREFIX + spare.name,
+        kept = len(_idle(now)) < POOL_MAX and _SPARES.add(_key(),
                                                           replace(spare, ahead=True), now)
         if kept and spare.ahead:
             _COUNTS["taken"] -= 1
@@ -162,7 +168,7 @@ def recycle(handle: Any, name: str, now: Optional[session.SessionKey],
         if kept:
             with _LOCK:
                 kept = len(_idle(now)) < POOL_MAX and _SPARES.add(
-                    _PREFIX + name, Spare(handle, name), now)
+                    _key(), Spare(handle, name), now)
                 if kept:
                     _COUNTS["recycled"] += 1
     if not kept:
