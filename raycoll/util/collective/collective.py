@@ -5,7 +5,7 @@ results in place in the caller's arrays (numpy arrays, torch tensors, cupy array
 calls, ``allgather`` into a list of tensors, ``get_rank`` / ``get_collective_group_size``
 returning -1 for a group this process is not in, ``destroy_collective_group`` of an unknown
 name doing nothing (with a warning). Groups are raycoll root groups of the same name, reached
-by name (``raycoll.all_reduce(t, group="dp")`` meets ``col.allreduce(t, group_name="dp")``);
+by name (``_all_reduce(t, group="dp")`` meets ``col.allreduce(t, group_name="dp")``);
 any number of them per process. Everything else is raycoll's: its named errors on every rank
 of a call (a mismatch, a rank that died, a timeout naming the missing ranks). Results are
 written into read-only numpy arrays as Ray writes them, with a one-time warning
@@ -23,8 +23,17 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 
 import numpy as np
 
-import raycoll
 from raycoll import errors
+from raycoll.availability import is_backend_available as _is_backend_available
+from raycoll.backends import is_nccl_available as _is_nccl_available
+from raycoll.collectives import (all_gather as _all_gather, all_reduce as _all_reduce,
+                                 barrier as _barrier, broadcast as _broadcast,
+                                 reduce as _reduce, reduce_scatter as _reduce_scatter)
+from raycoll.groups import destroy_process_group as _destroy_process_group
+from raycoll.groups import get_group as _get_group
+from raycoll.launch import create_group as _create_group, destroy_group as _destroy_group
+from raycoll.p2p import recv as _recv, send as _send
+from raycoll.reduce_op import ReduceOp as _RcReduceOp
 from raycoll.backends import backend_config
 from raycoll.context import Call
 from raycoll.groups import join_named_group
@@ -97,7 +106,7 @@ def _group(group_name: str) -> Optional[ProcessGroup]:
 # ---------------------------------------------------------------------- groups
 def nccl_available() -> bool:
     """Whether GPU tensors can go through NCCL here (cupy with NCCL, and a GPU)."""
-    return raycoll.is_nccl_available()
+    return _is_nccl_available()
 
 
 def gloo_available() -> bool:
@@ -113,7 +122,7 @@ def is_backend_available(backend: str) -> bool:
         return nccl_available()
     if name in BACKENDS:
         return True
-    return raycoll.is_backend_available(name)
+    return _is_backend_available(name)
 
 
 def is_group_initialized(group_name: str) -> bool:
@@ -143,7 +152,7 @@ def init_collective_group(world_size: int, rank: int, backend: str = types.Backe
     if _foreign(backend):
         from ray.util.collective import init_collective_group as ray_init
 
-        ray_init(world_size, rank, backend, name, gloo_timeout)
+        ray_init(world_size, rank, backend, name, gloo_timeout)  # type: ignore[arg-type]
         return
     mapped = _backend(backend)
     seconds = _timeout(gloo_timeout).total_seconds()
@@ -181,14 +190,15 @@ def create_collective_group(actors: List[Any], world_size: int, ranks: List[int]
     if _foreign(backend):
         from ray.util.collective import create_collective_group as ray_create
 
-        ray_create(list(actors), world_size, list(ranks), backend, name, gloo_timeout)
+        ray_create(list(actors), world_size, list(ranks), backend, name,  # type: ignore[arg-type]
+                   gloo_timeout)
         return
     mapped = _backend(backend)
     timeout = _timeout(gloo_timeout)
     ordered: List[Any] = [None] * len(actors)
     for actor, r in zip(actors, ranks):
         ordered[r] = actor
-    raycoll.create_group(ordered, backend=mapped, group_name=name, timeout=timeout)
+    _create_group(ordered, backend=mapped, group_name=name, timeout=timeout)
 
 
 def destroy_collective_group(group_name: str = "default") -> None:
@@ -200,9 +210,9 @@ def destroy_collective_group(group_name: str = "default") -> None:
     if col is not None:
         col.destroy_collective_group(group_name)
     elif _group(group_name) is not None:
-        raycoll.destroy_process_group(group_name)
+        _destroy_process_group(group_name)
     elif group_name in DRIVER_GROUPS.names(_current_session()):
-        raycoll.destroy_group(group_name)
+        _destroy_group(group_name)
     else:
         logger.warning("raycoll.util.collective: the group %r does not exist.", group_name)
 
@@ -226,7 +236,7 @@ def get_collective_group_size(group_name: str = "default") -> int:
 def get_group_handle(group_name: str = "default") -> ProcessGroup:
     """The group's :class:`raycoll.ProcessGroup` (``rank()``, ``size()``, torch's object API);
     ``GroupNotFoundError`` (a RuntimeError) if this process is not a rank of it."""
-    return raycoll.get_group(group_name)
+    return _get_group(group_name)
 
 
 def register_collective_backend(name: str, group_cls: Any) -> None:
@@ -234,21 +244,19 @@ def register_collective_backend(name: str, group_cls: Any) -> None:
     under ``name``, in Ray's own registry, as Ray's function of this name does; then this
     module forms groups with ``backend=name`` through Ray's module with that class, and its
     collectives on such a group are Ray's. Ray's rule holds: register it in the driver and
-    in every actor that joins such a group. ``name`` ``"raycoll"`` registers raycoll's own
-    class (:func:`raycoll.util.collective.register`)."""
+    in every actor that joins such a group; registering the same class again does nothing.
+    (raycoll's own class is registered as ``"raycoll"`` by :func:`raycoll.util.collective.
+    register`; groups of that backend are formed through Ray's module.)"""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    from raycoll.util.collective import ray_group
-
-    if name.upper() == ray_group.BACKEND_NAME:
-        ray_group.register()
-        return
     if name.lower() in BACKENDS:
         raise ValueError(f"register_collective_backend: {name!r} is one of this module's own "
                          f"backends ({sorted(BACKENDS)}); pick another name")
+    from ray.util.collective.backend_registry import _global_registry
     from ray.util.collective.backend_registry import register_collective_backend as ray_register
 
-    ray_register(name, group_cls)
+    if not (_global_registry.is_registered(name) and _global_registry.get(name) is group_cls):
+        ray_register(name, group_cls)  # Ray's checks: a BaseGroup, a name not taken
     _FOREIGN_BACKENDS.add(name.upper())
 
 
@@ -298,17 +306,17 @@ def synchronize(gpu_id: int) -> None:
 
 
 # ---------------------------------------------------------------------- collectives
-_OPS: Dict[Any, raycoll.ReduceOp] = {
-    member: getattr(raycoll.ReduceOp, member.name) for member in types.ReduceOp}
-_OPS.update({op: op for op in (raycoll.ReduceOp.SUM, raycoll.ReduceOp.PRODUCT,
-                                raycoll.ReduceOp.MIN, raycoll.ReduceOp.MAX, raycoll.ReduceOp.AVG,
-                                raycoll.ReduceOp.BAND, raycoll.ReduceOp.BOR,
-                                raycoll.ReduceOp.BXOR)})
+_OPS: Dict[Any, _RcReduceOp] = {
+    member: getattr(_RcReduceOp, member.name) for member in types.ReduceOp}
+_OPS.update({op: op for op in (_RcReduceOp.SUM, _RcReduceOp.PRODUCT,
+                                _RcReduceOp.MIN, _RcReduceOp.MAX, _RcReduceOp.AVG,
+                                _RcReduceOp.BAND, _RcReduceOp.BOR,
+                                _RcReduceOp.BXOR)})
 
 
-def _op(op: Any) -> raycoll.ReduceOp:
+def _op(op: Any) -> _RcReduceOp:
     """raycoll's ReduceOp for this module's (a lookup: the hot path), raycoll's own, Ray's
-    enum or any other spelling ``raycoll.all_reduce`` takes (by member name)."""
+    enum or any other spelling ``_all_reduce`` takes (by member name)."""
     try:
         return _OPS[op]
     except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
@@ -330,7 +338,7 @@ def allreduce(tensor: Any, group_name: str = "default", op: Any = types.ReduceOp
     col = _ray_module(group_name)
     if col is not None:
         return col.allreduce(tensor, group_name, _ray_op(op))
-    raycoll.all_reduce(writable(tensor, "allreduce", "tensor"), _op(op), group=group_name)
+    _all_reduce(writable(tensor, "allreduce", "tensor"), _op(op), group=group_name)
 
 
 def barrier(group_name: str = "default") -> None:
@@ -338,7 +346,7 @@ def barrier(group_name: str = "default") -> None:
     col = _ray_module(group_name)
     if col is not None:
         return col.barrier(group_name)
-    raycoll.barrier(group=group_name)
+    _barrier(group=group_name)
 
 
 def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
@@ -350,7 +358,7 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
         return col.reduce(tensor, dst_rank, group_name, _ray_op(op))
     if _read_only(tensor) and _rank_is(group_name, dst_rank):
         tensor = writable(tensor, "reduce", "tensor")
-    raycoll.reduce(tensor, op=_op(op), group=group_name, group_dst=dst_rank)
+    _reduce(tensor, op=_op(op), group=group_name, group_dst=dst_rank)
 
 
 def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default") -> None:
@@ -360,7 +368,7 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default") -> No
         return col.broadcast(tensor, src_rank, group_name)
     if _read_only(tensor) and not _rank_is(group_name, src_rank):
         tensor = writable(tensor, "broadcast", "tensor")
-    raycoll.broadcast(tensor, group=group_name, group_src=src_rank)
+    _broadcast(tensor, group=group_name, group_src=src_rank)
 
 
 def allgather(tensor_list: list, tensor: Any, group_name: str = "default") -> None:
@@ -368,7 +376,7 @@ def allgather(tensor_list: list, tensor: Any, group_name: str = "default") -> No
     col = _ray_module(group_name)
     if col is not None:
         return col.allgather(tensor_list, tensor, group_name)
-    raycoll.all_gather(writable_list(tensor_list, "allgather", "tensor_list"), tensor,
+    _all_gather(writable_list(tensor_list, "allgather", "tensor_list"), tensor,
                        group=group_name)
 
 
@@ -379,7 +387,7 @@ def reducescatter(tensor: Any, tensor_list: list, group_name: str = "default",
     col = _ray_module(group_name)
     if col is not None:
         return col.reducescatter(tensor, tensor_list, group_name, _ray_op(op))
-    raycoll.reduce_scatter(writable(tensor, "reducescatter", "tensor"), tensor_list, _op(op),
+    _reduce_scatter(writable(tensor, "reducescatter", "tensor"), tensor_list, _op(op),
                            group=group_name)
 
 
@@ -388,7 +396,7 @@ def send(tensor: Any, dst_rank: int, group_name: str = "default") -> None:
     col = _ray_module(group_name)
     if col is not None:
         return col.send(tensor, dst_rank, group_name)
-    raycoll.send(tensor, group=group_name, group_dst=dst_rank)
+    _send(tensor, group=group_name, group_dst=dst_rank)
 
 
 def recv(tensor: Any, src_rank: int, group_name: str = "default") -> None:
@@ -396,7 +404,7 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default") -> None:
     col = _ray_module(group_name)
     if col is not None:
         return col.recv(tensor, src_rank, group_name)
-    raycoll.recv(writable(tensor, "recv", "tensor"), group=group_name, group_src=src_rank)
+    _recv(writable(tensor, "recv", "tensor"), group=group_name, group_src=src_rank)
 
 
 # ---------------------------------------------------------------------- the *_multigpu names

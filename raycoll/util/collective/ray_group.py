@@ -32,8 +32,7 @@ from typing import Any, List, Optional
 
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
-import raycoll
-from raycoll.groups import join_named_group
+from raycoll.groups import destroy_process_group, join_named_group
 from raycoll.process_group import DEFAULT_TIMEOUT_S, ProcessGroup
 from raycoll.util.collective import collective as dropin
 
@@ -97,7 +96,7 @@ class RaycollGroup(BaseGroup):
     def destroy_group(self) -> None:
         """Leave the raycoll group (Ray's ``destroy_collective_group`` in this rank)."""
         if dropin._group(self._group_name) is self._pg:
-            raycoll.destroy_process_group(self._group_name)
+            destroy_process_group(self._group_name)
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: List[Any], allreduce_options: Any = None) -> None:
