@@ -129,6 +129,8 @@ def _write_into_what_ray_handed(actor: Any, rank: int, lib: str, backend: str,
         out["allreduce"] = buffer[:2].tolist()
         col.broadcast(buffer, 1, group)
         out["broadcast"] = buffer[:2].tolist()
+        col.reduce(buffer, 0, group)  # rank 1 sends what it holds, its array left as it was
+        out["reduce"] = buffer[:2].tolist()
         if rank == 0:
             col.send(np.full(buffer.shape, 7.0, buffer.dtype), 1, group)
         else:
@@ -156,13 +158,14 @@ def test_read_only_arguments_are_written_into_as_ray_does(holders, lib, backend)
     got = _on(holders, _write_into_what_ray_handed, lib, backend, _name())
     for rank, g in enumerate(got):
         assert g == {"writeable": False, "allreduce": [2.0, 2.0], "broadcast": [2.0, 2.0],
-                     "recv": [2.0, 2.0] if rank == 0 else [7.0, 7.0],
+                     "reduce": [4.0, 4.0] if rank == 0 else [2.0, 2.0],
+                     "recv": [4.0, 4.0] if rank == 0 else [7.0, 7.0],
                      # once, naming the fix: the first write of this process
                      "warnings": [("ReadOnlyWriteWarning", True)],
                      "raycoll_api": "ValueError: read-only"}
     # The hazard the warning names, Ray's behaviour too: the objects themselves changed, for
     # every reader (here the driver)
-    assert [float(ray.get(ref)[0]) for ref in refs] == [2.0, 7.0]
+    assert [float(ray.get(ref)[0]) for ref in refs] == [4.0, 7.0]
 
 
 def _foreign(actor: Any, rank: int, group: str) -> Dict[str, Any]:

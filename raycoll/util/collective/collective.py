@@ -356,8 +356,9 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
     col = _ray_module(group_name)
     if col is not None:
         return col.reduce(tensor, dst_rank, group_name, _ray_op(op))
-    if _read_only(tensor) and _rank_is(group_name, dst_rank):
-        tensor = writable(tensor, "reduce", "tensor")
+    if _read_only(tensor):  # the root writes into it, as Ray does; the others send a copy
+        tensor = writable(tensor, "reduce", "tensor") if _rank_is(group_name, dst_rank) \
+            else tensor.copy()  # (Ray's gloo group reduces a clone there: nothing written)
     _reduce(tensor, op=_op(op), group=group_name, group_dst=dst_rank)
 
 
