@@ -9,7 +9,16 @@ and :func:`refill` starts the next one,
 which Ray brings up in the background while the caller goes on. A process's first group
 starts its coordinator then (there is no spare yet), unless :func:`refill` ran earlier (the
 Ray Train backend calls it as soon as it reaches its controller). Each coordinator still
-serves one root group: its state, and its failures, are that group's alone.
+serves one root group at a time: its state, and its failures, are that group's alone.
+
+**Recycling.** Groups formed back to back (a notebook's cells, a test suite, a "dp" and a "tp"
+group in a row) would each wait for the coordinator the last one started. So when a group
+formed here is destroyed and every rank left it, :func:`recycle` asks its coordinator to
+empty its tables (:meth:`Coordinator.recycle <raycoll.coordinator.actor.Coordinator.recycle>`:
+a new generation, every lease released) and keeps it idle for the next group, up to
+:data:`POOL_MAX`; :func:`take` hands out the one made idle last. A coordinator that saw a
+failure (a dead rank, a broken group), that has anything pending, or whose group's ranks did
+not all leave, is ended instead: it never serves another group.
 
 **Lifetime.** A spare is an ordinary actor (not detached) of the process that started it,
 so Ray ends it with that process, or with its job (``ray.shutdown()``, the end of a
@@ -24,7 +33,7 @@ turns spares off: every group then starts its coordinator when it forms.
 Ray actor name is its own (``raycoll:<job>:~spare-<id>``), so :func:`claim` records the
 group's name (:func:`raycoll.coordinator.coordinator_name`) in Ray's key-value store (the
 GCS's, namespace ``raycoll``), pointing at it, and :func:`unclaim` removes it when the group
-is destroyed. An entry whose coordinator is dead (its driver exited without destroying the
+is destroyed (before the coordinator is recycled or ended). An entry whose coordinator is dead (its driver exited without destroying the
 group) counts as free. Coordinators that ranks start by name (``init_process_group`` in
 actors) keep their Ray name, as before.
 """
