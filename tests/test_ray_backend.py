@@ -6,11 +6,16 @@ first collective), destroy then the same name again; numpy arguments Ray hands a
 method (read-only) written into through both routes with one warning, the object changed for
 the driver as Ray's gloo changes it, raycoll's own API still refusing; a backend class
 registered through the drop-in's ``register_collective_backend`` (Ray's gloo group under
-another name) serving the drop-in's calls."""
+another name) serving the drop-in's calls; Ray's ``worker_process_setup_hook`` registering it
+in actors that import nothing of raycoll."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 import uuid
 import warnings
 from typing import Any, Dict, Iterator, List, Sequence
@@ -205,3 +210,41 @@ def test_register_is_idempotent_and_refuses_a_taken_name():
     assert backend_registry._global_registry.get("raycoll") is ray_group.RaycollGroup
     with pytest.raises(ValueError, match="own backends"):
         dropin.register_collective_backend("gloo", ray_group.RaycollGroup)
+
+
+# A user's script whose actors import nothing of raycoll (a class of __main__, shipped by
+# value): Ray's setup hook registers the backend in every worker. Its own Ray, so a process
+# of its own (the session's Ray lives on).
+_HOOKED = textwrap.dedent("""
+    import numpy as np, ray
+    import ray.util.collective as col
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "raycoll.util.collective.register"})
+
+    @ray.remote(num_cpus=0)
+    class W:
+        def step(self, rank):
+            import sys
+            col.init_collective_group(2, rank, backend="raycoll", group_name="h")
+            x = np.full(2, rank + 1.0)
+            col.allreduce(x, group_name="h")
+            return x.tolist(), "raycoll" in sys.modules
+
+    ws = [W.remote() for _ in range(2)]
+    print("RESULT", ray.get([w.step.remote(r) for r, w in enumerate(ws)], timeout=120))
+""")
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+def test_ray_s_setup_hook_registers_the_backend_in_actors_that_import_nothing_of_raycoll(
+        tmp_path):
+    script_path = tmp_path / "hooked.py"
+    script_path.write_text(_HOOKED)
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True,
+                          timeout=220, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    assert line == "RESULT [([3.0, 3.0], True), ([3.0, 3.0], True)]"
