@@ -15,6 +15,8 @@ Layers, top to bottom (data flows one way):
 
 :mod:`raycoll.torch_backend` makes raycoll a ``torch.distributed`` backend
 (``init_process_group("raycoll")``); importing raycoll registers it without importing torch.
+Likewise :mod:`raycoll.ray_hooks` registers ``"raycoll"`` in Ray's ``ray.util.collective``
+once that is imported, and as a Ray Direct Transport once torch is.
 """
 
 from raycoll.availability import (
@@ -127,7 +129,7 @@ from raycoll.reduce_op import ReduceOp, supports_complex
 from raycoll.store import PrefixStore, Store, get_store
 from raycoll import groups as _groups, store as _store
 from raycoll.work import Future, Work
-from raycoll import torch_backend as _torch_backend
+from raycoll import ray_hooks as _ray_hooks, torch_backend as _torch_backend
 
 __version__ = "0.1.0"
 
@@ -180,3 +182,4 @@ group = _world_group
 _provide_object_api(_collectives, _p2p, _coalesced, _multi, _groups, _store)
 
 _torch_backend.install()  # registers now if torch is imported, else right after it is
+_ray_hooks.install()  # "raycoll" in ray.util.collective and as Ray Direct Transport, likewise

@@ -47,6 +47,7 @@ _TEARDOWN_S = 10.0
 class _DriverGroup:
     spec: GroupSpec
     actors: List[ActorHandle]
+    coordinator: Optional[spare.Spare] = None  # recycled when the group is destroyed
 
 
 #: The groups this process formed, by name, each of the Ray session it was formed in (read by
@@ -120,7 +121,7 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
             spare.unclaim(now[1], group_name)
             _kill(coordinator.handle)
         raise
-    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors)), now)
+    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors), coordinator), now)
     spare.refill(now)  # the next group's coordinator, started while this one is used
 
 
@@ -203,12 +204,25 @@ def destroy_group(group_name: str = "default") -> None:
             refs.append(actor.__ray_call__.remote(_leave, group_name))
         except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
             pass
+    left = False
     if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
+        left = len(done) == len(entry.actors) and _all_ok(done)
     if now is not None:  # the group's name is free again at once (its coordinator's
         spare.unclaim(now[1], group_name)  # own name is unique)
-    if entry.spec.coordinator is not None:
+    if entry.coordinator is not None and left:  # every rank left: the next group's
+        spare.recycle(entry.coordinator.handle, entry.coordinator.name, now)
+    elif entry.spec.coordinator is not None:
         _kill(entry.spec.coordinator)
+
+
+def _all_ok(refs: List[Any]) -> bool:
+    """Whether every one of these finished calls returned (none raised)."""
+    try:
+        ray.get(refs, timeout=_TEARDOWN_S)
+        return True
+    except Exception:  # noqa: BLE001 - an actor died or raised while leaving
+        return False
 
 
 class RankWorker:

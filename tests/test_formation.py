@@ -1,5 +1,7 @@
 """Group formation over live actors takes a coordinator started ahead (its spare), which
-belongs to the driver's Ray session: counted, looked up by name, ended with the session."""
+belongs to the driver's Ray session: counted, looked up by name, ended with the session; a
+destroyed group's coordinator is recycled for the next group (its tables empty, a new
+generation), unless the group failed."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def test_the_next_group_over_live_actors_takes_the_coordinator_started_ahead(ran
         after = spare.counts()
         # the second group's coordinator is the one that was ready; one more was started ahead
         assert _coordinator(second)._actor_id == ahead.handle._actor_id
-        assert after == {"started": before["started"] + 1, "taken": before["taken"] + 1}
+        assert after == dict(before, started=before["started"] + 1, taken=before["taken"] + 1)
         refill = spare.pending()
         assert refill is not None and refill.name != ahead.name
         assert _sums(rank_actors[:2], first) == [3.0, 3.0]
@@ -69,15 +71,58 @@ def test_the_next_group_over_live_actors_takes_the_coordinator_started_ahead(ran
     finally:
         raycoll.destroy_group(first)
         raycoll.destroy_group(second)
-    # destroyed: its name is free at once, its coordinator ends
+    # destroyed: its name is free at once, its coordinator is kept idle with empty tables
+    # (recycled), and the next group takes it: no process is started
     assert spare.find(job, second) is None
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(ahead.handle.__ray_ready__.remote(), timeout=60)
+    kept = spare.pending()
+    assert kept is not None and kept.handle._actor_id == ahead.handle._actor_id
+    sizes = ray.get(kept.handle.state_sizes.remote(), timeout=60)[1]
+    assert all(v == 0 for k, v in sizes.items() if k not in ("store", "probes_sent")), sizes
+    before = spare.counts()
     raycoll.create_group(rank_actors[:2], group_name=second)
     try:
+        assert _coordinator(second)._actor_id == ahead.handle._actor_id
+        assert spare.counts() == dict(before, taken=before["taken"] + 1)
+        assert raycoll.group_status(second)["generation"] > 0  # a new generation, own tables
         assert _sums(rank_actors[:2], second) == [3.0, 3.0]
     finally:
         raycoll.destroy_group(second)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_group_s_coordinator_is_ended_not_recycled(ray_local):
+    from raycoll.launch import RankWorker
+
+    worker = ray.remote(num_cpus=0)(RankWorker)
+    team = [worker.remote() for _ in range(2)]
+    name = f"fx-{uuid.uuid4().hex[:6]}"
+    raycoll.create_group(team, group_name=name)
+    coordinator = _coordinator(name)
+    other = f"fy-{uuid.uuid4().hex[:6]}"
+    raycoll.create_group(team[:1], group_name=other)  # a group of its own, on rank 0 only
+    try:
+        ray.kill(team[1], no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead before the destroy
+            ray.get(team[1].__ray_ready__.remote(), timeout=60)
+        before = spare.counts()
+        raycoll.destroy_group(name)  # a rank is gone: its coordinator must not serve again
+        assert spare.counts()["recycled"] == before["recycled"]
+        idle = [spare._SPARES.get(n, session.current()) for n in spare._idle(session.current())]
+        assert coordinator._actor_id not in [s.handle._actor_id for s in idle if s is not None]
+        deadline = time.monotonic() + 60  # ended (ray.kill lands asynchronously)
+        while time.monotonic() < deadline:
+            try:
+                ray.get(coordinator.__ray_ready__.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the failed group's coordinator is still alive a minute after destroy")
+        # the other group, whose coordinator is another process, is untouched
+        assert _sums(team[:1], other) == [1.0]
+    finally:
+        raycoll.destroy_group(other)
+        ray.kill(team[0], no_restart=True)
 
 
 # A driver of its own on the test session's Ray: it forms a group (and keeps it), prints its
@@ -150,5 +195,4 @@ def test_a_spare_coordinator_ends_with_its_driver_session_and_is_never_reused(
     assert proc.returncode == 0, f"driver failed:\n{stdout}\n{stderr[-3000:]}"
     out = json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     # the new session's first group started its own coordinator (and the next one ahead)
-    assert out["after"] == {"started": out["before"]["started"] + 2,
-                            "taken": out["before"]["taken"]}
+    assert out["after"] == dict(out["before"], started=out["before"]["started"] + 2)

@@ -49,11 +49,12 @@ def _name() -> str:
 
 
 # ------------------------------------------------------------ the user's code, written for Ray
-def script(rank: int, lib: str, world_size: int, group: str, kinds: Sequence[str]) -> Dict[str, Any]:
+def script(rank: int, lib: str, world_size: int, group: str, kinds: Sequence[str],
+           backend: str = "gloo") -> Dict[str, Any]:
     """Code written for ``ray.util.collective``; ``lib`` names the module it imports."""
     col = importlib.import_module(lib)
     ReduceOp = importlib.import_module(lib + ".types").ReduceOp
-    col.init_collective_group(world_size, rank, backend="gloo", group_name=group)
+    col.init_collective_group(world_size, rank, backend=backend, group_name=group)
     out: Dict[str, Any] = {"rank": col.get_rank(group), "size": col.get_collective_group_size(group),
                            "outside": (col.get_rank("never-formed"),
                                        col.get_collective_group_size("never-formed"))}
@@ -211,8 +212,9 @@ def _bad_calls(rank: int, group: str) -> Dict[str, str]:
 
     attempt("mismatch", lambda: col.allreduce(np.zeros(3 + rank), group))
     frozen = np.ones(2)
-    frozen.flags.writeable = rank != 0
+    frozen.flags.writeable = rank != 0  # written into, as Ray does (test_ray_backend.py)
     attempt("read_only", lambda: col.allreduce(frozen, group))
+    out["read_only_value"] = str(frozen.tolist())
     attempt("short_list", lambda: col.allgather([np.zeros(1)] * (1 + rank), np.zeros(1), group))
     attempt("bad_root", lambda: col.broadcast(np.zeros(1), 2, group))
     attempt("no_group", lambda: col.allreduce(np.zeros(1), "never-formed"))
@@ -221,7 +223,7 @@ def _bad_calls(rank: int, group: str) -> Dict[str, str]:
     attempt("one_gpu", lambda: col.allreduce_multigpu([one], group))
     out["one_gpu_value"] = str(one.tolist())
     attempt("twice", lambda: col.init_collective_group(2, rank, backend="gloo", group_name=group))
-    attempt("register", lambda: col.register_collective_backend("mine", object))
+    attempt("register", lambda: col.register_collective_backend("mine", object))  # Ray's check
     col.destroy_collective_group(group)
     col.init_collective_group(2, rank, backend="gloo", group_name=group)  # the name again
     again = np.ones(1)
@@ -234,11 +236,11 @@ def _bad_calls(rank: int, group: str) -> Dict[str, str]:
 @pytest.mark.timeout(60)
 def test_bad_input_gives_named_errors_on_every_rank(actors):
     got = _on(actors[:2], _bad_calls, _name())
-    assert got[0] == {"mismatch": "CollectiveMismatchError", "read_only": "ValueError",
+    assert got[0] == {"mismatch": "CollectiveMismatchError", "read_only": "ok",
+                      "read_only_value": "[2.0, 2.0]",
                       "short_list": "TensorSizeError", "bad_root": "ValueError",
                       "no_group": "GroupNotFoundError", "two_gpus": "NotImplementedError",
                       "one_gpu": "ok", "one_gpu_value": "[2.0, 2.0]", "twice": "ValueError",
-                      "register": "NotImplementedError", "again": "[2.0]"}
-    assert got[1] == dict(got[0], read_only="PeerArgumentError", short_list="PeerArgumentError",
-                          two_gpus="PeerArgumentError")
+                      "register": "TypeError", "again": "[2.0]"}
+    assert got[1] == dict(got[0], short_list="PeerArgumentError", two_gpus="PeerArgumentError")
     assert issubclass(raycoll.GroupNotFoundError, RuntimeError)  # what Ray raises there

@@ -23,6 +23,7 @@ from raycoll.coordinator.join_state import JoinMixin
 from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
+from raycoll.coordinator.state import CoordinatorState
 from raycoll.coordinator.steps import StepsMixin
 from raycoll.coordinator.store import StoreMixin, table_sizes
 from raycoll.coordinator.transports import TransportMixin
@@ -112,6 +113,30 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._store_reset()  # a store outlives no group
             self._reset.set()
         return ok({"all_left": all_left})
+
+    def recycle(self) -> Result:
+        """Serve no group any more, to be handed to the next group formed from the driver
+        (:func:`raycoll.coordinator.spare.recycle`): every table emptied as a new
+        coordinator's, the generation moved on (a stale lease or watch of the old group is
+        ignored). Refused (``{"recycled": False}``, the driver then ends it) while anything
+        of the group is pending or after the group failed: a coordinator that saw a failure
+        never serves another group."""
+        busy = (self._steps or self._dead or self._broken or self._store_waiters
+                or any(self._waiting.values()) or any(not t.done() for t in self._probes.values())
+                or self._owned_by_ranks)
+        if busy:
+            return ok({"recycled": False})
+        generation = self._generation + 1
+        self._liveness_reset(generation)  # every lease released, its watcher cancelled
+        for task in list(self._probes.values()) + [self._monitor]:
+            if task is not None and not task.done():
+                task.cancel()
+        for timer in (self._death_report,):
+            if timer is not None:
+                timer.cancel()
+        CoordinatorState.__init__(self, "", 0)
+        self._generation = generation
+        return ok({"recycled": True})
 
     def _self_destruct_if_orphaned(self) -> None:
         """A by-name coordinator whose ranks all died stops itself (nobody else will)."""

@@ -17,6 +17,7 @@ wait at the coordinator (``rendezvous``, ``kv_get``, ``exchange``, ``join_round`
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
@@ -265,10 +266,21 @@ def rank_info(address: Any = None) -> Dict[str, Any]:
                             "native": native_available()}
     try:
         info["actor_id"] = ctx.get_actor_id()
-        info["actor"] = pack_handle(ctx.current_actor) if info["actor_id"] else None
+        if info["actor_id"]:  # packed once per process (5-50 ms): a rank joins many groups
+            key = (ctx.get_job_id(), info["actor_id"])
+            packed = _PACKED_SELF.get(key)
+            info["actor"] = packed if packed is not None else _PACKED_SELF.setdefault(
+                key, pack_handle(ctx.current_actor))
     except Exception:  # noqa: BLE001 - not inside an actor (a driver or a task)
         info["actor"] = None
     return info
+
+
+#: This process's own actor handle, packed, by (job, actor id).
+_PACKED_SELF: Dict[Tuple[str, str], bytes] = {}
+#: Handles unpacked here, by their bytes, while something (a group's roster) holds them:
+#: weak, so that the cache never keeps an actor alive that its owner let go.
+_UNPACKED: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
 
 
 def pack_handle(handle: "ray.actor.ActorHandle") -> bytes:
@@ -281,5 +293,17 @@ def pack_handle(handle: "ray.actor.ActorHandle") -> bytes:
 
 
 def unpack_handle(packed: Any) -> Any:
-    """The actor handle :func:`pack_handle` packed (``None`` stays ``None``)."""
-    return ray.cloudpickle.loads(packed) if isinstance(packed, bytes) else packed
+    """The actor handle :func:`pack_handle` packed (``None`` stays ``None``); the one this
+    process unpacked before while a group of it still holds it (groups formed at once over the
+    same actors read each handle once: 5-10 ms each)."""
+    if not isinstance(packed, bytes):
+        return packed
+    try:
+        return _UNPACKED[packed]
+    except KeyError:
+        handle = ray.cloudpickle.loads(packed)
+    try:
+        _UNPACKED[packed] = handle
+    except TypeError:  # a handle that takes no weak reference: not cached
+        pass
+    return handle

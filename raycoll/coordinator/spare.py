@@ -9,7 +9,16 @@ and :func:`refill` starts the next one,
 which Ray brings up in the background while the caller goes on. A process's first group
 starts its coordinator then (there is no spare yet), unless :func:`refill` ran earlier (the
 Ray Train backend calls it as soon as it reaches its controller). Each coordinator still
-serves one root group: its state, and its failures, are that group's alone.
+serves one root group at a time: its state, and its failures, are that group's alone.
+
+**Recycling.** Groups formed back to back (a notebook's cells, a test suite, a "dp" and a "tp"
+group in a row) would each wait for the coordinator the last one started. So when a group
+formed here is destroyed and every rank left it, :func:`recycle` asks its coordinator to
+empty its tables (:meth:`Coordinator.recycle <raycoll.coordinator.actor.Coordinator.recycle>`:
+a new generation, every lease released) and keeps it idle for the next group, up to
+:data:`POOL_MAX`; :func:`take` hands out the one made idle last. A coordinator that saw a
+failure (a dead rank, a broken group), that has anything pending, or whose group's ranks did
+not all leave, is ended instead: it never serves another group.
 
 **Lifetime.** A spare is an ordinary actor (not detached) of the process that started it,
 so Ray ends it with that process, or with its job (``ray.shutdown()``, the end of a
@@ -24,19 +33,20 @@ turns spares off: every group then starts its coordinator when it forms.
 Ray actor name is its own (``raycoll:<job>:~spare-<id>``), so :func:`claim` records the
 group's name (:func:`raycoll.coordinator.coordinator_name`) in Ray's key-value store (the
 GCS's, namespace ``raycoll``), pointing at it, and :func:`unclaim` removes it when the group
-is destroyed. An entry whose coordinator is dead (its driver exited without destroying the
+is destroyed (before the coordinator is recycled or ended). An entry whose coordinator is dead (its driver exited without destroying the
 group) counts as free. Coordinators that ranks start by name (``init_process_group`` in
 actors) keep their Ray name, as before.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import ray
 
@@ -46,15 +56,19 @@ from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Spare", "ENV", "enabled", "pending", "take", "put_back", "refill", "release", "claim",
-           "unclaim", "find", "claimed", "counts"]
+__all__ = ["Spare", "ENV", "POOL_MAX", "enabled", "pending", "take", "put_back", "refill",
+           "recycle", "release", "claim", "unclaim", "find", "claimed", "counts"]
 
 #: The environment variable that turns spares off (``0``).
 ENV = "RAYCOLL_SPARE_COORDINATOR"
 
 #: The key-value store's namespace for group names.
 _NAMESPACE = "raycoll"
-_KEY = "next"  # the one spare of a session, in _SPARES
+_PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, in the order made idle
+_SEQ = itertools.count()
+#: The most idle coordinators a process keeps: those recycled by destroyed groups beyond it
+#: are ended (a coordinator is a process: ~60 MB).
+POOL_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -68,12 +82,13 @@ class Spare:
 
 _SPARES: session.SessionRecords[Spare] = session.SessionRecords("spare coordinator")
 _LOCK = threading.RLock()
-_COUNTS: Dict[str, int] = {"started": 0, "taken": 0}
+_COUNTS: Dict[str, int] = {"started": 0, "taken": 0, "recycled": 0}
 
 
 def counts() -> Dict[str, int]:
-    """How many coordinators this process started here (``started``), and how many groups
-    took one that had been started ahead (``taken``)."""
+    """How many coordinators this process started here (``started``), how many groups took
+    one that was ready (``taken``: started ahead or recycled), and how many destroyed groups
+    gave theirs back for the next (``recycled``)."""
     with _LOCK:
         return dict(_COUNTS)
 
@@ -91,32 +106,43 @@ def _start(job: str) -> Spare:
     return Spare(handle, name)
 
 
+def _key() -> str:
+    return f"{_PREFIX}{next(_SEQ):010d}"
+
+
+def _idle(now: Optional[session.SessionKey]) -> List[str]:
+    return [n for n in _SPARES.names(now) if n.startswith(_PREFIX)]
+
+
 def refill(now: Optional[session.SessionKey] = None) -> None:
-    """Start this process's spare coordinator if it has none (in session ``now``, default:
+    """Start a coordinator ahead if this process has none idle (in session ``now``, default:
     the one connected); returns at once, Ray starts the actor in the background. Nothing
     when spares are off or Ray is not initialized."""
     now = now or session.current()
     if now is None or not enabled():
         return
     with _LOCK:
-        if _SPARES.get(_KEY, now) is not None:
+        if _idle(now):
             return
         spare = _start(now[1])
-        _SPARES.add(_KEY, spare, now)
+        _SPARES.add(_key(), spare, now)
 
 
 def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
-    """This process's spare coordinator of session ``now`` (default: the one connected),
-    not taken yet; ``None`` if it has none."""
+    """One of this process's idle coordinators of session ``now`` (default: the one
+    connected), the next :func:`take` hands out; ``None`` if it has none."""
+    now = now or session.current()
     with _LOCK:
-        return _SPARES.get(_KEY, now or session.current())
+        names = _idle(now)
+        return _SPARES.get(names[-1], now) if names else None
 
 
 def put_back(spare: Spare, now: session.SessionKey) -> None:
     """Return a coordinator that :func:`take` handed out but no group used (its name was
-    taken): it becomes the spare, or is ended if there is one already."""
+    taken): it is idle again, or ended if the pool is full."""
     with _LOCK:
-        kept = _SPARES.add(_KEY, replace(spare, ahead=True), now)
+        kept = len(_idle(now)) < POOL_MAX and _SPARES.add(_key(),
+                                                          replace(spare, ahead=True), now)
         if kept and spare.ahead:
             _COUNTS["taken"] -= 1
     if not kept:
@@ -124,21 +150,49 @@ def put_back(spare: Spare, now: session.SessionKey) -> None:
 
 
 def take(now: session.SessionKey) -> Spare:
-    """This process's spare of session ``now`` (taken: the next :func:`refill` starts
-    another), or a coordinator started now if there is none."""
+    """An idle coordinator of session ``now`` (the one made idle last: recycled or started
+    ahead), or one started now if there is none."""
     with _LOCK:
-        spare = _SPARES.pop(_KEY, now)
+        names = _idle(now)
+        spare = _SPARES.pop(names[-1], now) if names else None
         if spare is not None:
             _COUNTS["taken"] += 1
     return spare if spare is not None else replace(_start(now[1]), ahead=False)
 
 
+def recycle(handle: Any, name: str, now: Optional[session.SessionKey],
+            timeout_s: float = 5.0) -> bool:
+    """Keep the coordinator of a destroyed group (``handle``, Ray actor ``name``) for the next
+    group of this process, if it empties its tables (:meth:`Coordinator.recycle
+    <raycoll.coordinator.actor.Coordinator.recycle>`: refused after a failure or with
+    anything pending) and the pool has room; else end it. True if kept. Forming the next
+    group then starts no process: groups formed back to back take milliseconds."""
+    kept = False
+    if now is not None and enabled():
+        try:
+            result = ray.get(handle.recycle.remote(), timeout=timeout_s)
+            kept = bool(result[0] == "ok" and result[1].get("recycled"))
+        except Exception as exc:  # noqa: BLE001 - dead, busy or gone: end it
+            logger.debug("raycoll: recycling a coordinator failed: %s", exc)
+        if kept:
+            with _LOCK:
+                kept = len(_idle(now)) < POOL_MAX and _SPARES.add(
+                    _key(), Spare(handle, name), now)
+                if kept:
+                    _COUNTS["recycled"] += 1
+    if not kept:
+        _kill(handle)
+    return kept
+
+
 def release() -> None:
-    """End this process's spare coordinator now, if it has one (of the session connected)."""
+    """End this process's idle coordinators now (of the session connected)."""
+    now = session.current()
     with _LOCK:
-        spare = _SPARES.pop(_KEY, session.current())
-    if spare is not None:
-        _kill(spare.handle)
+        spares = [_SPARES.pop(n, now) for n in _idle(now)]
+    for spare in spares:
+        if spare is not None:
+            _kill(spare.handle)
 
 
 def _kill(handle: Any) -> None:

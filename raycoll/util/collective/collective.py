@@ -5,22 +5,35 @@ results in place in the caller's arrays (numpy arrays, torch tensors, cupy array
 calls, ``allgather`` into a list of tensors, ``get_rank`` / ``get_collective_group_size``
 returning -1 for a group this process is not in, ``destroy_collective_group`` of an unknown
 name doing nothing (with a warning). Groups are raycoll root groups of the same name, reached
-by name (``raycoll.all_reduce(t, group="dp")`` meets ``col.allreduce(t, group_name="dp")``);
+by name (``_all_reduce(t, group="dp")`` meets ``col.allreduce(t, group_name="dp")``);
 any number of them per process. Everything else is raycoll's: its named errors on every rank
-of a call (a mismatch, a rank that died, a timeout naming the missing ranks), and its refusal
-to write into a read-only array. Ranks passed here are group ranks (``dst_rank``,
-``src_rank``), as in Ray.
+of a call (a mismatch, a rank that died, a timeout naming the missing ranks). Results are
+written into read-only numpy arrays as Ray writes them, with a one-time warning
+(:mod:`.readonly`). Ranks passed here are group ranks (``dst_rank``, ``src_rank``), as in
+Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
-import raycoll
+import numpy as np
+
 from raycoll import errors
+from raycoll.availability import is_backend_available as _is_backend_available
+from raycoll.backends import is_nccl_available as _is_nccl_available
+from raycoll.collectives import (all_gather as _all_gather, all_reduce as _all_reduce,
+                                 barrier as _barrier, broadcast as _broadcast,
+                                 reduce as _reduce, reduce_scatter as _reduce_scatter)
+from raycoll.groups import destroy_process_group as _destroy_process_group
+from raycoll.groups import get_group as _get_group
+from raycoll.launch import create_group as _create_group, destroy_group as _destroy_group
+from raycoll.p2p import recv as _recv, send as _send
+from raycoll.reduce_op import ReduceOp as _RcReduceOp
 from raycoll.backends import backend_config
 from raycoll.context import Call
 from raycoll.groups import join_named_group
@@ -29,6 +42,7 @@ from raycoll.process_group import ProcessGroup
 from raycoll.reduce_op import as_reduce_op
 from raycoll.session import current as _current_session
 from raycoll.util.collective import types
+from raycoll.util.collective.readonly import writable, writable_list
 from raycoll.world import world
 
 __all__ = [
@@ -92,7 +106,7 @@ def _group(group_name: str) -> Optional[ProcessGroup]:
 # ---------------------------------------------------------------------- groups
 def nccl_available() -> bool:
     """Whether GPU tensors can go through NCCL here (cupy with NCCL, and a GPU)."""
-    return raycoll.is_nccl_available()
+    return _is_nccl_available()
 
 
 def gloo_available() -> bool:
@@ -108,12 +122,13 @@ def is_backend_available(backend: str) -> bool:
         return nccl_available()
     if name in BACKENDS:
         return True
-    return raycoll.is_backend_available(name)
+    return _is_backend_available(name)
 
 
 def is_group_initialized(group_name: str) -> bool:
     """Whether this process is a rank of group ``group_name`` (formed, and not destroyed)."""
-    return _group(group_name) is not None
+    col = sys.modules.get("ray.util.collective") if _FOREIGN_BACKENDS else None
+    return _group(group_name) is not None or bool(col and col.is_group_initialized(group_name))
 
 
 def init_collective_group(world_size: int, rank: int, backend: str = types.Backend.NCCL,
@@ -134,6 +149,11 @@ def init_collective_group(world_size: int, rank: int, backend: str = types.Backe
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+    if _foreign(backend):
+        from ray.util.collective import init_collective_group as ray_init
+
+        ray_init(world_size, rank, backend, name, gloo_timeout)  # type: ignore[arg-type]
+        return
     mapped = _backend(backend)
     seconds = _timeout(gloo_timeout).total_seconds()
     if _group(name) is not None:
@@ -167,12 +187,18 @@ def create_collective_group(actors: List[Any], world_size: int, ranks: List[int]
         raise ValueError(f"world_size={world_size} must equal the number of actors "
                          f"({len(actors)}): every rank of a group formed from the driver is "
                          "one of its actors")
+    if _foreign(backend):
+        from ray.util.collective import create_collective_group as ray_create
+
+        ray_create(list(actors), world_size, list(ranks), backend, name,  # type: ignore[arg-type]
+                   gloo_timeout)
+        return
     mapped = _backend(backend)
     timeout = _timeout(gloo_timeout)
     ordered: List[Any] = [None] * len(actors)
     for actor, r in zip(actors, ranks):
         ordered[r] = actor
-    raycoll.create_group(ordered, backend=mapped, group_name=name, timeout=timeout)
+    _create_group(ordered, backend=mapped, group_name=name, timeout=timeout)
 
 
 def destroy_collective_group(group_name: str = "default") -> None:
@@ -180,10 +206,13 @@ def destroy_collective_group(group_name: str = "default") -> None:
     group raise ``GroupDestroyedError``); in the driver that formed it with
     :func:`create_collective_group`, every actor leaves it and the name is free again. An
     unknown name logs a warning and does nothing, as in Ray."""
-    if _group(group_name) is not None:
-        raycoll.destroy_process_group(group_name)
+    col = _ray_module(group_name)
+    if col is not None:
+        col.destroy_collective_group(group_name)
+    elif _group(group_name) is not None:
+        _destroy_process_group(group_name)
     elif group_name in DRIVER_GROUPS.names(_current_session()):
-        raycoll.destroy_group(group_name)
+        _destroy_group(group_name)
     else:
         logger.warning("raycoll.util.collective: the group %r does not exist.", group_name)
 
@@ -191,28 +220,80 @@ def destroy_collective_group(group_name: str = "default") -> None:
 def get_rank(group_name: str = "default") -> int:
     """This process's rank in group ``group_name``; -1 if it is not a rank of it."""
     pg = _group(group_name)
-    return -1 if pg is None else pg.rank()
+    col = _ray_module(group_name) if pg is None else None
+    return col.get_rank(group_name) if col is not None else -1 if pg is None else pg.rank()
 
 
 def get_collective_group_size(group_name: str = "default") -> int:
     """The number of ranks of group ``group_name``; -1 if this process is not a rank of it."""
     pg = _group(group_name)
+    col = _ray_module(group_name) if pg is None else None
+    if col is not None:
+        return int(col.get_collective_group_size(group_name))
     return -1 if pg is None else pg.size()
 
 
 def get_group_handle(group_name: str = "default") -> ProcessGroup:
     """The group's :class:`raycoll.ProcessGroup` (``rank()``, ``size()``, torch's object API);
     ``GroupNotFoundError`` (a RuntimeError) if this process is not a rank of it."""
-    return raycoll.get_group(group_name)
+    return _get_group(group_name)
 
 
 def register_collective_backend(name: str, group_cls: Any) -> None:
-    """Not supported: a ``ray.util.collective`` group class cannot serve raycoll's groups.
-    Raises NotImplementedError naming what to use: ``raycoll.Backend.register_backend``."""
-    raise NotImplementedError(
-        f"register_collective_backend({name!r}, ...): raycoll.util.collective runs on "
-        "raycoll's backends; register a backend with raycoll.Backend.register_backend(name, "
-        "factory, devices=[...]) in every rank and the driver, then pass its name as backend=")
+    """Register a ``ray.util.collective`` backend class (a subclass of Ray's ``BaseGroup``)
+    under ``name``, in Ray's own registry, as Ray's function of this name does; then this
+    module forms groups with ``backend=name`` through Ray's module with that class, and its
+    collectives on such a group are Ray's. Ray's rule holds: register it in the driver and
+    in every actor that joins such a group; registering the same class again does nothing.
+    (raycoll's own class is registered as ``"raycoll"`` by :func:`raycoll.util.collective.
+    register`; groups of that backend are formed through Ray's module.)"""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if name.lower() in BACKENDS:
+        raise ValueError(f"register_collective_backend: {name!r} is one of this module's own "
+                         f"backends ({sorted(BACKENDS)}); pick another name")
+    from ray.util.collective.backend_registry import _global_registry
+    from ray.util.collective.backend_registry import register_collective_backend as ray_register
+
+    if not (_global_registry.is_registered(name) and _global_registry.get(name) is group_cls):
+        ray_register(name, group_cls)  # Ray's checks: a BaseGroup, a name not taken
+    _FOREIGN_BACKENDS.add(name.upper())
+
+
+#: Backends registered here with :func:`register_collective_backend` (upper case): groups of
+#: these are Ray's, formed and called through Ray's own module.
+_FOREIGN_BACKENDS: Set[str] = set()
+
+
+def _foreign(backend: Any) -> bool:
+    return bool(_FOREIGN_BACKENDS) and isinstance(backend, str) and \
+        backend.upper() in _FOREIGN_BACKENDS
+
+
+def _ray_module(group_name: Any) -> Any:
+    """Ray's ``ray.util.collective`` when ``group_name`` is a group of a backend registered
+    with :func:`register_collective_backend` (formed here, or recorded by Ray's
+    ``create_collective_group`` and formed now, as Ray forms it at the first call); else
+    None. One falsy test when no such backend was registered."""
+    if not _FOREIGN_BACKENDS or not isinstance(group_name, str) or _group(group_name):
+        return None
+    col = sys.modules.get("ray.util.collective")
+    if col is None:
+        return None
+    if not col.is_group_initialized(group_name):
+        try:
+            col.get_group_handle(group_name)
+        except RuntimeError:
+            return None
+    return col
+
+
+def _ray_op(op: Any) -> Any:
+    """Ray's own ReduceOp for one of this module's (by member name)."""
+    from ray.util.collective.types import ReduceOp as RayReduceOp
+
+    return RayReduceOp[op.name] if hasattr(op, "name") and op.name in RayReduceOp.__members__ \
+        else op
 
 
 def synchronize(gpu_id: int) -> None:
@@ -225,65 +306,106 @@ def synchronize(gpu_id: int) -> None:
 
 
 # ---------------------------------------------------------------------- collectives
-_OPS: Dict[Any, raycoll.ReduceOp] = {
-    member: getattr(raycoll.ReduceOp, member.name) for member in types.ReduceOp}
-_OPS.update({op: op for op in (raycoll.ReduceOp.SUM, raycoll.ReduceOp.PRODUCT,
-                                raycoll.ReduceOp.MIN, raycoll.ReduceOp.MAX, raycoll.ReduceOp.AVG,
-                                raycoll.ReduceOp.BAND, raycoll.ReduceOp.BOR,
-                                raycoll.ReduceOp.BXOR)})
+_OPS: Dict[Any, _RcReduceOp] = {
+    member: getattr(_RcReduceOp, member.name) for member in types.ReduceOp}
+_OPS.update({op: op for op in (_RcReduceOp.SUM, _RcReduceOp.PRODUCT,
+                                _RcReduceOp.MIN, _RcReduceOp.MAX, _RcReduceOp.AVG,
+                                _RcReduceOp.BAND, _RcReduceOp.BOR,
+                                _RcReduceOp.BXOR)})
 
 
-def _op(op: Any) -> raycoll.ReduceOp:
+def _op(op: Any) -> _RcReduceOp:
     """raycoll's ReduceOp for this module's (a lookup: the hot path), raycoll's own, Ray's
-    enum or any other spelling ``raycoll.all_reduce`` takes (by member name)."""
+    enum or any other spelling ``_all_reduce`` takes (by member name)."""
     try:
         return _OPS[op]
     except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
         return as_reduce_op(op)
 
 
+def _read_only(tensor: Any) -> bool:
+    return isinstance(tensor, np.ndarray) and not tensor.flags.writeable
+
+
+def _rank_is(group_name: str, rank: Any) -> bool:
+    """Whether this process is rank ``rank`` of group ``group_name`` (False outside it)."""
+    pg = _group(group_name) if isinstance(group_name, str) else None
+    return pg is not None and pg.rank() == rank
+
+
 def allreduce(tensor: Any, group_name: str = "default", op: Any = types.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` over the group, in place on every rank."""
-    raycoll.all_reduce(tensor, _op(op), group=group_name)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.allreduce(tensor, group_name, _ray_op(op))
+    _all_reduce(writable(tensor, "allreduce", "tensor"), _op(op), group=group_name)
 
 
 def barrier(group_name: str = "default") -> None:
     """Block until every rank of the group has called it."""
-    raycoll.barrier(group=group_name)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.barrier(group_name)
+    _barrier(group=group_name)
 
 
 def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
            op: Any = types.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` over the group into ``dst_rank``'s tensor (in place there; the other
     ranks' tensors are left as they were)."""
-    raycoll.reduce(tensor, op=_op(op), group=group_name, group_dst=dst_rank)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.reduce(tensor, dst_rank, group_name, _ray_op(op))
+    if _read_only(tensor):  # the root writes into it, as Ray does; the others send a copy
+        tensor = writable(tensor, "reduce", "tensor") if _rank_is(group_name, dst_rank) \
+            else tensor.copy()  # (Ray's gloo group reduces a clone there: nothing written)
+    _reduce(tensor, op=_op(op), group=group_name, group_dst=dst_rank)
 
 
 def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default") -> None:
     """Copy ``src_rank``'s tensor into every rank's ``tensor``."""
-    raycoll.broadcast(tensor, group=group_name, group_src=src_rank)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.broadcast(tensor, src_rank, group_name)
+    if _read_only(tensor) and not _rank_is(group_name, src_rank):
+        tensor = writable(tensor, "broadcast", "tensor")
+    _broadcast(tensor, group=group_name, group_src=src_rank)
 
 
 def allgather(tensor_list: list, tensor: Any, group_name: str = "default") -> None:
     """Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank, in place)."""
-    raycoll.all_gather(tensor_list, tensor, group=group_name)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.allgather(tensor_list, tensor, group_name)
+    _all_gather(writable_list(tensor_list, "allgather", "tensor_list"), tensor,
+                       group=group_name)
 
 
 def reducescatter(tensor: Any, tensor_list: list, group_name: str = "default",
                   op: Any = types.ReduceOp.SUM) -> None:
     """Reduce ``tensor_list[i]`` over the ranks into rank i's ``tensor`` (``tensor_list`` is
     left as it was)."""
-    raycoll.reduce_scatter(tensor, tensor_list, _op(op), group=group_name)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.reducescatter(tensor, tensor_list, group_name, _ray_op(op))
+    _reduce_scatter(writable(tensor, "reducescatter", "tensor"), tensor_list, _op(op),
+                           group=group_name)
 
 
 def send(tensor: Any, dst_rank: int, group_name: str = "default") -> None:
     """Send ``tensor`` to ``dst_rank``; returns once the receiver has taken it."""
-    raycoll.send(tensor, group=group_name, group_dst=dst_rank)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.send(tensor, dst_rank, group_name)
+    _send(tensor, group=group_name, group_dst=dst_rank)
 
 
 def recv(tensor: Any, src_rank: int, group_name: str = "default") -> None:
     """Receive into ``tensor`` from ``src_rank``."""
-    raycoll.recv(tensor, group=group_name, group_src=src_rank)
+    col = _ray_module(group_name)
+    if col is not None:
+        return col.recv(tensor, src_rank, group_name)
+    _recv(writable(tensor, "recv", "tensor"), group=group_name, group_src=src_rank)
 
 
 # ---------------------------------------------------------------------- the *_multigpu names

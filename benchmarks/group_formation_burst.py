@@ -1,0 +1,179 @@
+"""Groups formed back to back and in bulk: raycoll's ``create_group`` against torch's gloo,
+same run (the spaced rows, a coordinator started ahead 1 s before, are
+``benchmarks/group_formation.py``'s).
+
+    python benchmarks/group_formation_burst.py [--rounds 5] [--bulk 8] [--repeats 3]
+
+One local Ray (4 logical CPUs), zero-CPU actors started and ready (torch and raycoll
+imported) before anything is timed; times from the driver (``time.perf_counter``), medians.
+
+- *back to back*: 2 ranks, ``--rounds`` rounds of form then destroy with nothing between
+  them (a notebook or a test suite forming a group per cell or test): raycoll's
+  ``create_group`` + ``destroy_group``; gloo's ``init_process_group`` (rank 0 hosts the
+  TCPStore) + ``destroy_process_group`` in the same actors. The form and the destroy are
+  timed apart.
+- *bulk*: ``--bulk`` root groups, each over the same ``--bulk`` actors (threaded actors:
+  each takes part in every group's rendezvous at once), formed at once from as many driver
+  threads; against one group over those actors formed alone. Cold: the process has one
+  coordinator idle (the first bulk of a session starts the others); warm: after a bulk was
+  destroyed (its coordinators recycled). gloo: one world ``init_process_group`` over the
+  actors then ``--bulk`` ``new_group`` calls (torch's way to many groups over the same
+  processes), against its world alone.
+
+Ratios: gloo / raycoll for back to back (above 1: raycoll faster); bulk / one group for
+raycoll (the target: at most 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Dict, List
+
+import ray
+
+import raycoll
+from raycoll.coordinator import spare
+from raycoll.launch import RankWorker, start_ray
+
+
+class Rank(RankWorker):
+    """A rank of either library (``run`` for raycoll, the gloo methods for gloo)."""
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    def gloo_init(self, rank: int, world_size: int, port: int, groups: int = 0) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=60))
+        for _ in range(groups):
+            dist.new_group(list(range(world_size)), backend="gloo")
+
+    def gloo_destroy(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _imports(rank: int) -> None:
+    import torch  # noqa: F401
+
+
+def _gloo(actors: List[Any], groups: int = 0) -> Dict[str, float]:
+    port = ray.get(actors[0].free_port.remote(), timeout=60)
+    start = time.perf_counter()
+    ray.get([a.gloo_init.remote(r, len(actors), port, groups) for r, a in enumerate(actors)],
+            timeout=120)
+    formed = time.perf_counter()
+    ray.get([a.gloo_destroy.remote() for a in actors], timeout=60)
+    return {"form": formed - start, "destroy": time.perf_counter() - formed}
+
+
+def _raycoll(actors: List[Any]) -> Dict[str, float]:
+    name = f"b2b-{uuid.uuid4().hex[:6]}"
+    start = time.perf_counter()
+    raycoll.create_group(actors, group_name=name, timeout=60)
+    formed = time.perf_counter()
+    raycoll.destroy_group(name)
+    return {"form": formed - start, "destroy": time.perf_counter() - formed}
+
+
+def _bulk(actors: List[Any], count: int) -> float:
+    """``count`` groups over ``actors`` formed at once (a driver thread each); destroyed
+    after the timing."""
+    names = [f"bulk-{uuid.uuid4().hex[:6]}" for _ in range(count)]
+    errors: List[BaseException] = []
+
+    def form(name: str) -> None:
+        try:
+            raycoll.create_group(actors, group_name=name, timeout=120)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=form, args=(n,)) for n in names]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - start
+    for name in names:
+        raycoll.destroy_group(name)
+    if errors:
+        raise errors[0]
+    return took
+
+
+def _ms(values: List[float]) -> str:
+    return f"{statistics.median(values) * 1e3:8.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bulk", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    start_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    worker = ray.remote(num_cpus=0)(Rank)
+    print(f"load average before: {os.getloadavg()}")
+    pair = [worker.remote() for _ in range(2)]
+    ray.get([a.run.remote(_imports, r, (), {}) for r, a in enumerate(pair)], timeout=300)
+    spare.refill()
+    time.sleep(2.0)  # the first coordinator ahead is up: what a process has after a while
+    b2b: Dict[str, List[Dict[str, float]]] = {"raycoll": [], "gloo": []}
+    for repeat in range(args.repeats):
+        for kind in (("raycoll", "gloo") if repeat % 2 == 0 else ("gloo", "raycoll")):
+            for _ in range(args.rounds):  # back to back: nothing between the rounds
+                b2b[kind].append(_raycoll(pair) if kind == "raycoll" else _gloo(pair))
+    print(f"back to back, 2 ranks, {args.repeats} x {args.rounds} rounds, medians (ms):")
+    print(f"  {'':8s} {'form':>8s} {'destroy':>8s}")
+    for kind, rows in b2b.items():
+        print(f"  {kind:8s} {_ms([r['form'] for r in rows])} {_ms([r['destroy'] for r in rows])}")
+    ratio = statistics.median(r["form"] for r in b2b["gloo"]) / \
+        statistics.median(r["form"] for r in b2b["raycoll"])
+    print(f"  form, gloo / raycoll: {ratio:.2f}x; raycoll every round (ms): "
+          f"{[round(r['form'] * 1e3, 1) for r in b2b['raycoll']]}")
+    for actor in pair:
+        ray.kill(actor)
+
+    many = [worker.options(max_concurrency=args.bulk).remote() for _ in range(args.bulk)]
+    ray.get([a.run.remote(_imports, r, (), {}) for r, a in enumerate(many)], timeout=300)
+    spare.release()
+    spare.refill()
+    time.sleep(2.0)
+    cold = _bulk(many, args.bulk)
+    print(f"bulk, {args.bulk} groups over {args.bulk} actors at once, cold (1 coordinator "
+          f"idle): {cold * 1e3:.1f} ms; coordinators: {spare.counts()}")
+    one: List[float] = []
+    warm: List[float] = []
+    gloo_one: List[float] = []
+    gloo_bulk: List[float] = []
+    for _ in range(args.repeats):
+        one.append(_bulk(many, 1))
+        warm.append(_bulk(many, args.bulk))
+        gloo_one.append(_gloo(many)["form"])
+        gloo_bulk.append(_gloo(many, args.bulk)["form"])
+    print(f"bulk, {args.repeats} repeats, medians (ms):")
+    print(f"  raycoll one group {_ms(one)}, {args.bulk} at once (warm) {_ms(warm)}: "
+          f"{statistics.median(warm) / statistics.median(one):.2f}x one group")
+    print(f"  gloo world alone {_ms(gloo_one)}, world + {args.bulk} new_group {_ms(gloo_bulk)}: "
+          f"{statistics.median(gloo_bulk) / statistics.median(gloo_one):.2f}x")
+    print(f"  {args.bulk} groups, gloo / raycoll: "
+          f"{statistics.median(gloo_bulk) / statistics.median(warm):.2f}x")
+    print(f"coordinators: {spare.counts()}; load average after: {os.getloadavg()}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
