@@ -96,6 +96,12 @@ class CoordinatorClient:
         """``rank`` leaves the group; returns ``{"all_left": bool}``."""
         return self.wait(self.handle.leave.remote(rank), timeout_s, op="leave")
 
+    def recycle(self, timeout_s: float) -> bool:
+        """Empty this coordinator's tables for the next group (``Coordinator.recycle``);
+        False where it refuses (something of its group pending, or it saw a failure)."""
+        return bool(self.wait(self.handle.recycle.remote(), timeout_s, op="recycle")
+                    .get("recycled"))
+
     def status(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:
         """Every group's ranks: last completed and current collective, Join state, breaks."""
         return self._wait(self.handle.status.remote(), timeout_s, where)

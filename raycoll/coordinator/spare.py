@@ -52,6 +52,7 @@ import ray
 
 from raycoll import errors, session
 from raycoll.coordinator.actor import _RemoteCoordinator, _here
+from raycoll.coordinator.client import CoordinatorClient
 from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
@@ -170,8 +171,7 @@ def recycle(handle: Any, name: str, now: Optional[session.SessionKey],
     kept = False
     if now is not None and enabled():
         try:
-            result = ray.get(handle.recycle.remote(), timeout=timeout_s)
-            kept = bool(result[0] == "ok" and result[1].get("recycled"))
+            kept = CoordinatorClient(handle, name).recycle(timeout_s)
         except Exception as exc:  # noqa: BLE001 - dead, busy or gone: end it
             logger.debug("raycoll: recycling a coordinator failed: %s", exc)
         if kept:

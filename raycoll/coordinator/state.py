@@ -92,8 +92,8 @@ class CoordinatorState:
         # steps: (group, seq, step) -> step; each group's global ranks; why a group broke;
         # by group rank, the last completed and the current collective (name, seq)
         self._steps: Dict[Tuple[str, int, int], Step] = {}
-        # (group, seq) -> the fingerprints of the ranks whose round-transport waits in that
-        # collective were checked, and the mismatch they made, if any (.transports)
+        # (group, seq) -> the fingerprint of the first rank whose round-transport wait in
+        # that collective was checked, and the mismatch a later one made, if any (.transports)
         self._check_fps: Dict[Tuple[str, int], Dict[str, Any]] = {}
         self._groups: Dict[str, Tuple[int, ...]] = {}
         self._broken: Dict[str, Result] = {}

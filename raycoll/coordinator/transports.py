@@ -84,13 +84,11 @@ class TransportMixin(CoordinatorState):
         if entry is None:
             if len(waits) >= _WAITS_KEPT:  # the oldest first: dicts keep insertion order
                 del waits[next(iter(waits))]
-            entry = waits[(key, seq)] = {"fps": {}, "error": None}
-        if entry["error"] is None:
-            entry["fps"][rank] = fp
-            why = fingerprint_mismatch(entry["fps"], ranks)
-            if why:
-                entry["error"] = err("mismatch", f"{fp.get('op', '?')} #{seq} on group "
-                                                 f"{key!r}: {why}")
+            entry = waits[(key, seq)] = {"rank": rank, "fp": fp, "error": None}
+        elif entry["error"] is None and fp != entry["fp"]:  # one comparison a check: O(1)
+            why = fingerprint_mismatch({entry["rank"]: entry["fp"], rank: fp}, ranks)
+            entry["error"] = err("mismatch", f"{fp.get('op', '?')} #{seq} on group {key!r}: "
+                                             f"{why}")
         return entry["error"]
 
     def transport_timeout(self, key: str, ranks: Tuple[int, ...], seq: int, rank: int, op: str,
