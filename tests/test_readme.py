@@ -142,6 +142,8 @@ PROMISES: Dict[str, Callable[[str], None]] = {
     "the same gradient on both ranks: [[2.0, 2.0, 2.0, 2.0]]":
         _value(lambda v: v == [[[2.0] * 4]] * 2, "two gradients [[2.0, 2.0, 2.0, 2.0]]"),
     "on each worker: rank 0 of 2, rank 1 of 2": _lines(r"\brank 0 of 2$", r"\brank 1 of 2$"),
+    "[3.0, 3.0, 3.0, 3.0] from each":
+        _value(lambda v: v == [[3.0] * 4] * 2, "two lists [3.0, 3.0, 3.0, 3.0]"),
     "the shape mismatch, named on both ranks":
         _value(lambda v: isinstance(v, list) and len(v) == 2 and all(
             isinstance(m, str) and "all_reduce #1" in m and "disagree on shape" in m
