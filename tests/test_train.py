@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -197,10 +198,12 @@ def test_fits_in_a_row_leak_no_actor_fd_or_object_store_bytes(train_ray, tmp_pat
                 _fit(run, config={"steps": 2, **extra})
         else:
             assert _fit(run, config={"steps": 2}).error is None
+    # no more actors of any class than before (fewer coordinators is no leak: an idle one a
+    # destroyed group left for the next, taken by a later fit, is not replaced)
     deadline = time.monotonic() + 30
-    while _alive_actors() != actors and time.monotonic() < deadline:
+    while Counter(_alive_actors()) - Counter(actors) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _alive_actors() == actors
+    assert not Counter(_alive_actors()) - Counter(actors), (actors, _alive_actors())
     assert _fds() <= fds + 2, (fds, _fds())
     # the last fit's worker died: Ray frees its group's objects a moment after (a bounded poll;
     # a leak still fails, after 30 s)
