@@ -26,7 +26,7 @@ from raycoll import errors
 from raycoll.coordinator.logic import first_line, unwrap
 from raycoll.native import native_available
 
-__all__ = ["CoordinatorClient", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
+__all__ = ["CoordinatorClient", "CoordinatorUnreachableError", "GRACE_S", "CHECK_TIMEOUT_S", "LEAVE_TIMEOUT_S",
            "PENDING_TIMEOUT_S", "rank_info", "pack_handle", "unpack_handle"]
 
 #: Extra seconds a rank waits for the coordinator's answer beyond the collective's timeout.
@@ -39,6 +39,13 @@ LEAVE_TIMEOUT_S = 10.0
 PENDING_TIMEOUT_S = 5.0
 
 Where = Optional[Mapping[str, Any]]
+
+
+class CoordinatorUnreachableError(errors.CoordinatorDiedError):
+    """Ray could not reach the coordinator for this call (``ActorUnavailableError``: a slow
+    or cut link, a node that does not answer): it may be alive. A caller that can go on
+    without this answer (a waiting rank's check: its own timeout bounds it) catches this;
+    anywhere else it is the coordinator lost, as ``CoordinatorDiedError``."""
 Progress = Dict[int, Tuple[str, int]]
 
 
@@ -65,6 +72,12 @@ class CoordinatorClient:
         except ray.exceptions.GetTimeoutError as exc:
             raise errors.DistTimeoutError(
                 f"{where}: the coordinator did not answer within {timeout_s + GRACE_S:g}s", **ctx
+            ) from exc
+        except ray.exceptions.ActorUnavailableError as exc:
+            raise CoordinatorUnreachableError(
+                f"{where}: the coordinator of group {self.group_name!r} could not be reached "
+                f"(alive, as far as Ray knows, but its node or the network did not answer): "
+                f"{first_line(exc)}", **ctx
             ) from exc
         except ray.exceptions.RayActorError as exc:
             raise errors.CoordinatorDiedError(

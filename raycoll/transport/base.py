@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import numpy as np
 
 from raycoll import errors
+from raycoll.coordinator.client import CHECK_TIMEOUT_S, PENDING_TIMEOUT_S, CoordinatorUnreachableError
 from raycoll.coordinator.logic import EVERY_RANK, fingerprint_mismatch
 from raycoll.transport.counters import Counters, payload_bytes
 
@@ -521,24 +522,34 @@ class RoundTransport:
 
     # ------------------------------------------------------------------ the coordinator
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
-        """Ask the coordinator whether this wait (for group ranks ``waiting``, for
-        ``waited_s``) should end; raises its error if so."""
-        self.ctx.client.transport_check(
-            self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.fp,
-            self._progress(), waiting, waited_s, self.kind, where=self.ctx.ctx(call))
+        """Ask the coordinator whether this wait (for ``waiting``, ``waited_s`` long) should
+        end; raises its error if so. An unreachable coordinator (a slow or cut link) ends
+        nothing: the call's own timeout bounds the wait, and the check's."""
+        try:
+            self.ctx.client.transport_check(
+                self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.fp,
+                self._progress(), waiting, waited_s, self.kind, where=self.ctx.ctx(call),
+                timeout_s=min(CHECK_TIMEOUT_S, max(call.timeout_s - waited_s, 1.0)))
+        except CoordinatorUnreachableError:
+            pass
 
     def time_out(self, call: "Call", missing: Sequence[int]) -> BaseException:
-        """The error for ``call`` timing out waiting for group ranks ``missing``."""
+        """The error for ``call`` timing out waiting for group ranks ``missing``: the
+        coordinator's (it breaks the group), or this rank's if it cannot be reached."""
+        who, note = [self.ctx.global_ranks[s] for s in missing], ""
         try:
             self.ctx.client.transport_timeout(
                 self.ctx.group_name, self.ctx.global_ranks, call.seq, self.ctx.rank, call.op,
-                missing, self._progress(), call.timeout_s, self.kind, where=self.ctx.ctx(call))
+                missing, self._progress(), call.timeout_s, self.kind, where=self.ctx.ctx(call),
+                wait_s=PENDING_TIMEOUT_S)
+        except CoordinatorUnreachableError as exc:
+            note = f" (the coordinator could not be reached to break the group: {exc})"
         except errors.RaycollError as exc:
             return exc
-        who = [self.ctx.global_ranks[s] for s in missing]
-        return errors.DistTimeoutError(  # the coordinator answered "ok": cannot happen
+        return errors.DistTimeoutError(
             f"{call.op} #{call.seq} on group {self.ctx.group_name!r} timed out after "
-            f"{call.timeout_s:g}s: ranks {who} never arrived", missing=who, **self.ctx.ctx(call))
+            f"{call.timeout_s:g}s: ranks {who} never arrived{note}", missing=who,
+            **self.ctx.ctx(call))
 
     def close(self) -> None:
         with self._report_lock:
