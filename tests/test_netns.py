@@ -261,7 +261,7 @@ def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before
 
     env = {k: v for k, v in os.environ.items() if k != "RAYCOLL_SOCKET_IFNAME"}
     proc = subprocess.run([sys.executable, "-m", "raycoll.bench", "--calibrate", "--address",
-                           raycoll_netns.address, "--sizes", "4,4M", "--iters", "3",
+                           raycoll_netns.address, "--sizes", "4,4M", "--iters", "8",
                            "--warmup", "1", "--no-progress"],
                           capture_output=True, text=True, timeout=140, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
