@@ -296,14 +296,12 @@ class GroupContext:
         ``ProcessGroup.counters``)."""
         plane = self._plane
         per_op = getattr(plane, "counters", {}) if plane else {}
-        lane = getattr(plane, "node_lane", None) if plane else None
         sockets = self._transports.sockets if self._transports is not None else None
         return {
             "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
             "sockets": sockets("coll") + sockets("ncoll") if sockets else 0,
             "p2p_sockets": sockets("p2p") if sockets else 0,
             "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
-            "node_lane": sorted(lane.mates | {self.rank}) if lane is not None else [],
         }
 
     def _note(self, call: Call, rounds: int, step: Optional[str]) -> None:

@@ -59,11 +59,6 @@ class GroupOptions:
       node's cores);
     - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
       sleep (``None``: 2 ms);
-    - ``node_lanes``: in a group on several nodes, run the steps of its algorithms between
-      ranks of one node on a shared-memory lane of the node (:mod:`raycoll.transport.node_lane`):
-      ``True`` where a node holds 2 to ``lane_max_ranks`` of its ranks, ``False`` never;
-      ``None``: where those ranks also fit the cores of their machine (crowded ranks wait on
-      a lane by polling, on a socket in the kernel: measured slower).
     - ``node_segment_bytes``: int >= 8192, each rank's share of its node's shared-memory
       segment where the native core runs the lane (:mod:`raycoll.transport.segment`;
       ``None``: 4 MiB); a /dev/shm too small for it gets a smaller one, with a warning;
@@ -107,7 +102,6 @@ class GroupOptions:
     lane_bytes: Optional[int] = None
     lane_max_ranks: Optional[int] = None
     lane_yield_s: Optional[float] = None
-    node_lanes: Optional[bool] = None
     node_segment_bytes: Optional[int] = None
     segment_spin_s: Optional[float] = None
     stream: bool = True
@@ -144,8 +138,8 @@ class GroupOptions:
             raise TypeError("options must be a dict of group options or a GroupOptions, got "
                             f"{type(options).__name__}")
         for key in options:
-            if key == "lane":
-                raise ValueError(_REMOVED_LANE)
+            if key in _RETIRED:
+                raise ValueError(_RETIRED[key])
             if key not in _NAMES:
                 raise ValueError(_unknown(key))
         return cls(**dict(options))
@@ -159,9 +153,16 @@ def or_default(value: Optional[T], default: T) -> T:
     return default if value is None else value
 
 
-#: The error for the removed ``lane`` option (``lane=False`` was an old spelling).
-_REMOVED_LANE = ("group option 'lane' was removed: use transport='store' to keep a group off "
-                 "the shared-memory lane (and transport='auto', the default, for lane=True)")
+#: The errors for retired options: what replaced each.
+_RETIRED = {
+    # ``lane=False`` was an old spelling
+    "lane": "group option 'lane' was removed: use transport='store' to keep a group off the "
+            "shared-memory lane (and transport='auto', the default, for lane=True)",
+    "node_lanes": "group option 'node_lanes' was retired with the node lanes (Ray channels "
+                  "between a node's ranks in a group on several nodes): such a group runs "
+                  "every step of its collectives on the native executor, over Unix sockets "
+                  "inside a node and TCP between nodes; drop the option",
+}
 
 
 def _unknown(key: Any) -> str:
@@ -217,7 +218,6 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "lane_bytes": _count(0),
     "lane_max_ranks": _count(0),
     "lane_yield_s": _seconds(),
-    "node_lanes": _flag(optional=True),
     "node_segment_bytes": _count(8192),
     "segment_spin_s": _seconds(),
     "stream": _flag(optional=False),

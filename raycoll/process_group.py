@@ -220,14 +220,10 @@ class ProcessGroup(ObjectAPI):
     def counters(self) -> Dict[str, Any]:
         """This rank's traffic on the group's direct connections, exact (for tests, tuning
         and ``group_status``): ``{"collectives": {op: counts}, "sockets": n, "p2p_sockets":
-        n, "peak_recv_buffer_bytes": n, "node_lane": ranks}``, where ``counts`` has the bytes
-        sent and received to ranks on the same node and on other nodes, the messages each way,
-        the rounds this rank took part in and its distinct peers
-        (:data:`raycoll.transport.counters.COUNTER_NAMES`), summed since the group formed
-        (a node lane's messages among them), and ``node_lane`` the group ranks whose steps
-        inside this node go over its shared-memory lane (:mod:`raycoll.transport.node_lane`;
-        empty where there is none).
-        Empty ``collectives`` where the group has no direct connections (the lane, the
+        n, "peak_recv_buffer_bytes": n}``, where ``counts`` has the bytes sent and received to
+        ranks on the same node and on other nodes, the messages each way, the rounds this rank
+        took part in and its distinct peers (:data:`raycoll.transport.counters.COUNTER_NAMES`),
+        summed since the group formed. Empty ``collectives`` where the group has no direct connections (the lane, the
         store)."""
         return self.context.counters()
 

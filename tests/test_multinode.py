@@ -1,9 +1,9 @@
 """Collectives spanning two Ray nodes (``ray.cluster_utils.Cluster`` on this machine): every
-collective over direct connections, a rank killed mid-stream named within seconds (on sockets
-and on a node lane), the two-level all_reduce's bytes between nodes, node lanes (3 + 1 ranks)
-with every algorithm against numpy and each rank's counts equal to the schedule's, and the
-rule that sets them up by default; a Ray Direct Transport object (raycoll.rdt) crossing the
-nodes over the producer's pull server."""
+collective over direct connections, a rank killed mid-stream named within seconds (a rank on
+the other node, or a node-mate), the two-level all_reduce's bytes between nodes, 3 + 1 ranks
+with every algorithm against numpy and each rank's counts equal to the schedule's (every
+step on the native executor: no setup step); a Ray Direct Transport object (raycoll.rdt)
+crossing the nodes over the producer's pull server."""
 
 from __future__ import annotations
 
@@ -96,16 +96,14 @@ def _stream_until_failure(rank, seconds):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("killed,options", [
-    (1, None),
-    (1, {"node_lanes": True}),  # ranks 0 and 2 share a node lane; 1 is on the other node
-    (2, {"node_lanes": True}),  # rank 0 loses its node-mate
-], ids=["sockets", "node-lane-other-node", "node-lane-node-mate"])
-def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(two_nodes, killed,
-                                                                                 options):
+@pytest.mark.parametrize("killed", [
+    1,  # ranks 0 and 2 share a node; 1 is on the other node
+    2,  # rank 0 loses its node-mate
+], ids=["other-node", "node-mate"])
+def test_a_rank_killed_mid_stream_across_nodes_fails_the_others_within_seconds(two_nodes, killed):
     worker = ray.remote(RankWorker)
     actors = [worker.options(num_cpus=0, resources={f"node{r % 2}": 1}).remote() for r in range(3)]
-    raycoll.create_group(actors, group_name="kill-mid-stream", timeout=120, options=options)
+    raycoll.create_group(actors, group_name="kill-mid-stream", timeout=120)
     try:
         refs = [a.run.remote(_stream_until_failure, r, (60.0,), {}) for r, a in enumerate(actors)]
         import time as _time
@@ -186,7 +184,7 @@ def test_hierarchical_all_reduce_sends_2_m_minus_1_over_m_n_a_node_between_real_
             assert set(out.values()) == {2 * 3 * nbytes // 4}, out
 
 
-def _lane_counts(rank, n):
+def _counts(rank, n):
     from raycoll.world import world as the_world
 
     x = np.arange(n, dtype=np.float32) * (rank + 1)
@@ -205,10 +203,11 @@ def _three_and_one():
 
 
 @pytest.mark.timeout(300)
-def test_node_lanes_carry_the_steps_inside_a_node_with_the_schedules_exact_counts(two_nodes):
-    """Ranks 0-2 on one Ray node, rank 3 on the other, node lanes on: every all_reduce
-    algorithm right, the three node-mates share a lane (rank 3, alone, has none), and each
-    rank's counted traffic, lane rounds and sockets together, is the schedule's formula."""
+def test_three_and_one_ranks_run_every_all_reduce_natively_with_the_schedules_exact_counts(
+        two_nodes):
+    """Ranks 0-2 on one Ray node, rank 3 on the other: every all_reduce algorithm right, each
+    rank's counted traffic the schedule's formula, and no setup step (no node lane to set
+    up: the native executor runs every step, inside the node over Unix sockets)."""
     from raycoll.algorithms.catalog import build
     from raycoll.algorithms.counters import expected
     from raycoll.algorithms.schedule import ALGORITHMS
@@ -219,13 +218,12 @@ def test_node_lanes_carry_the_steps_inside_a_node_with_the_schedules_exact_count
     topo = Topology([0, 0, 0, 1])
     try:
         for algo in [a for a in ALGORITHMS["all_reduce"] if a not in ("direct", "direct_rsag")]:
-            got = run_on(actors, _lane_counts, (n,), group_name=f"lanes-{algo}", timeout=120,
-                         options={"node_lanes": True, "all_reduce_algo": algo})
+            got = run_on(actors, _counts, (n,), group_name=f"three-one-{algo}", timeout=120,
+                         options={"all_reduce_algo": algo})
             want = expected(build("all_reduce", algo, topo, n), topo, 4)
             for rank, (g, w) in enumerate(zip(got, want)):
                 assert g["ok"] and g["algorithm"] == algo, (algo, rank, g)
-                assert g["counters"]["node_lane"] == ([0, 1, 2] if rank < 3 else []), (algo, g)
-                assert g["steps"] == ("setup",), g  # the channels, through the coordinator
+                assert g["steps"] == (), g
                 assert g["counters"]["collectives"]["all_reduce"] == w, (algo, rank)
     finally:
         for a in actors:
@@ -233,10 +231,10 @@ def test_node_lanes_carry_the_steps_inside_a_node_with_the_schedules_exact_count
 
 
 @pytest.mark.timeout(300)
-def test_every_collective_over_node_lanes_and_sockets_matches_numpy(two_nodes):
-    """3 + 1 ranks with node lanes, each collective forced to one scheduled algorithm after
-    another, small and pipelined in segments (lane messages framed and through Ray's
-    serializer): every collective and point-to-point call right against numpy."""
+def test_every_collective_on_three_and_one_ranks_matches_numpy(two_nodes):
+    """3 + 1 ranks, each collective forced to one scheduled algorithm after another, small
+    and pipelined in segments: every collective and point-to-point call right against
+    numpy."""
     from raycoll.algorithms.schedule import ALGORITHMS
 
     options = {"all_reduce": "all_reduce_algo", "reduce_scatter": "reduce_scatter_algo",
@@ -247,10 +245,10 @@ def test_every_collective_over_node_lanes_and_sockets_matches_numpy(two_nodes):
     actors = _three_and_one()
     try:
         for i in range(max(len(a) for a in scheduled.values())):
-            forced = {"node_lanes": True, "stream_bytes": 65536,
+            forced = {"stream_bytes": 65536,
                       **{options[c]: a[i % len(a)] for c, a in scheduled.items()}}
             for n in (7, 40_003):
-                results = run_on(actors, every_op, (4, n), group_name=f"lanes-every-{i}-{n}",
+                results = run_on(actors, every_op, (4, n), group_name=f"three-one-{i}-{n}",
                                  timeout=120, options=forced)
                 for rank, (bad, transport) in enumerate(results):
                     assert transport == "tcp", (rank, transport)
@@ -258,31 +256,6 @@ def test_every_collective_over_node_lanes_and_sockets_matches_numpy(two_nodes):
     finally:
         for a in actors:
             ray.kill(a)
-
-
-@pytest.mark.timeout(120)
-def test_node_lanes_by_default_only_where_the_ranks_fit_the_cores(two_nodes):
-    """By default a node lane is set up only where the group's ranks on the machine fit its
-    cores (crowded ranks poll a lane: measured slower than sockets); ``node_lanes=False``
-    never sets one up."""
-    from raycoll.transport.lane import oversubscribed
-
-    actors = _three_and_one()
-    try:
-        default = run_on(actors, _lane_counts, (16,), group_name="lanes-default", timeout=60)
-        off = run_on(actors, _lane_counts, (16,), group_name="lanes-off", timeout=60,
-                     options={"node_lanes": False})
-    finally:
-        for a in actors:
-            ray.kill(a)
-    assert all(g["ok"] for g in default + off)
-    assert all(g["counters"]["node_lane"] == [] for g in off), off
-    lanes = [] if oversubscribed(4) else [0, 1, 2]
-    assert [g["counters"]["node_lane"] for g in default[:3]] == [lanes] * 3, default
-    # where no rank can have a lane (one crowded machine, or the option off), the group's
-    # first collective spends no step on setting lanes up
-    assert all(g["steps"] == (("setup",) if lanes else ()) for g in default), default
-    assert all(g["steps"] == () for g in off), off
 
 
 @pytest.mark.torch

@@ -98,6 +98,13 @@ def test_the_transport_option_and_the_removed_lane_spelling():
         GroupOptions(lane=False)  # type: ignore[call-arg]
 
 
+@pytest.mark.parametrize("value", [True, False, None])
+def test_the_retired_node_lanes_option_names_what_replaced_it(value):
+    with pytest.raises(ValueError, match=r"'node_lanes' was retired with the node lanes .*"
+                                         r"native executor.*drop the option"):
+        GroupOptions.of({"node_lanes": value})
+
+
 # ---------------------------------------------------------------------- on Ray
 def _seen(rank: int) -> Dict[str, Any]:
     x = np.full(4, float(rank + 1))

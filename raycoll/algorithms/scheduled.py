@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import AbstractSet, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,32 +43,18 @@ DIRECT = ("direct", "direct_rsag")
 #: How many (collective, bytes, root) choices and schedules a rank keeps.
 _CACHE = 64
 
-#: One rank's part of one schedule: per step, its sends by destination, its receives, and
-#: whether its node's lane holds a round in that step.
-Plan = List[Tuple[Dict[int, List[Transfer]], List[Transfer], bool]]
+#: One rank's part of one schedule: per step, its sends by destination and its receives.
+Plan = List[Tuple[Dict[int, List[Transfer]], List[Transfer]]]
 
 
-def rank_plan(schedule: Schedule, rank: int, mates: AbstractSet[int] = frozenset(),
-              lane_bytes: int = 0, itemsize: int = 1) -> Plan:
-    """Rank ``rank``'s steps of ``schedule``: ``(sends by destination, receives, lane)``
-    each. ``mates``: the ranks that share a lane with ``rank``; a step that moves data
-    between any two of them (``rank`` included) is a lane round for them all, unless one of
-    them would send its node-mates more than ``lane_bytes`` in it (then it stays off the
-    lane). Every rank of a node computes the same rounds."""
-    node = set(mates) | {rank} if mates else set()
+def rank_plan(schedule: Schedule, rank: int) -> Plan:
+    """Rank ``rank``'s steps of ``schedule``: ``(sends by destination, receives)`` each."""
     plan: Plan = []
-    for step, (sends, recvs) in zip(schedule.steps, schedule.per_rank(rank)):
+    for sends, recvs in schedule.per_rank(rank):
         by_dst: Dict[int, List[Transfer]] = {}
         for t in sends:
             by_dst.setdefault(t.dst, []).append(t)
-        on_lane = False
-        if node:
-            inside: Dict[int, int] = {}
-            for t in step:
-                if t.src in node and t.dst in node:
-                    inside[t.src] = inside.get(t.src, 0) + t.size * itemsize
-            on_lane = bool(inside) and max(inside.values()) <= lane_bytes
-        plan.append((by_dst, recvs, on_lane))
+        plan.append((by_dst, recvs))
     return plan
 
 
@@ -109,10 +95,9 @@ class ScheduledAlgorithms:
                          nbytes, self.topology.ranks_per_node, algo)
         return algo
 
-    def _plan(self, collective: str, algo: str, n: int, itemsize: int, root: int,
-              lane: Any = None) -> Tuple[Schedule, Plan]:
-        """The schedule and this rank's plan (``lane``: this node's lane, whose rounds the
-        plan marks; the same for the life of the group)."""
+    def _plan(self, collective: str, algo: str, n: int, itemsize: int,
+              root: int) -> Tuple[Schedule, Plan]:
+        """The schedule and this rank's plan."""
         key = (collective, algo, n, itemsize, root)
         got = self._plans.get(key)
         if got is None:
@@ -121,8 +106,7 @@ class ScheduledAlgorithms:
             segments = (max(1, -(-n * itemsize // self.stream_bytes))
                         if collective in PIPELINED else 1)  # (an empty buffer: one)
             schedule = build(collective, algo, self.topology, n, root, segments=segments)
-            got = (schedule, rank_plan(schedule, self.ctx.rank, lane.mates if lane else frozenset(),
-                                       lane.capacity if lane else 0, itemsize))
+            got = (schedule, rank_plan(schedule, self.ctx.rank))
             self._remember(self._plans, key, got)
         return got
 
@@ -142,14 +126,10 @@ class ScheduledAlgorithms:
         plane = self.ctx.sparse_transport(call)
         if plane is None:
             return False
-        if plane.same_node != self.topology.same_node:  # node lanes set up: their prices
-            self.topology = Topology(self.ctx.node_ids, same_node=plane.same_node)
-            self._choices.clear()
-            self._plans.clear()
         algo = self.algorithm(collective, nbytes, itemsize, root)
         self.ctx.note_algorithm(collective, algo)
         # natively, the direct exchange is a schedule too (one step: its mesh)
-        return algo not in DIRECT or self._native(plane) is not None
+        return algo not in DIRECT or getattr(plane, "native", None) is not None
 
     def _scheduled(self, collective: str, flat: np.ndarray, op: Optional[ReduceOp], call: Any,
                    root: int = 0) -> bool:
@@ -160,9 +140,8 @@ class ScheduledAlgorithms:
             return False
         algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
         plane = self.ctx.sparse_transport(call)
-        schedule, plan = self._plan(collective, algo, flat.size, flat.itemsize, root,
-                                    plane.node_lane)
-        native = self._native(plane)
+        schedule, plan = self._plan(collective, algo, flat.size, flat.itemsize, root)
+        native = getattr(plane, "native", None)  # alike on every rank
         codes = native.codes(flat, op) if native is not None else None
         if native is not None and codes is not None:
             reducing = op is not None and op.name in ("AVG", "PREMUL_SUM")
@@ -174,45 +153,23 @@ class ScheduledAlgorithms:
         self._run(collective, schedule, plan, flat, op, call, plane)
         return True
 
-    @staticmethod
-    def _native(plane: Any) -> Any:
-        """The plane's native runs (:mod:`raycoll.transport.native_tcp`), or ``None`` (alike
-        on every rank): where a rank lacks the native core, or node lanes (Ray channels)
-        carry steps."""
-        native = getattr(plane, "native", None)
-        return native if native is not None and not plane.node_lanes else None
-
     def _run(self, collective: str, schedule: Schedule, plan: Plan, flat: np.ndarray,
              op: Optional[ReduceOp], call: Any, plane: Any) -> None:
         combine_op = combining_op(op) if op is not None else None
-        lane = plane.node_lane
-        first, lane_first, rounds = True, True, 0
-        for i, (sends, recvs, on_lane) in enumerate(plan):
+        first, rounds = True, 0
+        for i, (sends, recvs) in enumerate(plan):
             payloads = {dst: [flat[t.lo:t.hi] for t in ts] for dst, ts in sends.items()}
             sources = list(dict.fromkeys(t.src for t in recvs))
             got: Dict[int, Any] = {}
-            if on_lane:  # this node's part of the step, in one lane round of the node
-                mates = lane.mates
-                inside = {d: p for d, p in payloads.items() if d in mates}
-                payloads = {d: p for d, p in payloads.items() if d not in mates}
-                outside = [s for s in sources if s not in mates]
-                got = lane.exchange(call, i, inside, [s for s in sources if s in mates],
-                                    views=True, first=lane_first,
-                                    count_round=not (payloads or outside))
-                lane_first = False
-            else:
-                outside = sources
-            if payloads or outside:
-                got.update(plane.exchange(call, i, payloads, outside, views=True, first=first))
+            if payloads or sources:
+                got = plane.exchange(call, i, payloads, sources, views=True, first=first)
                 first = False
             rounds += bool(sends or recvs)
             del payloads
             try:
                 _apply(recvs, got, flat, combine_op, call)
             finally:
-                # what came is views of the transports' buffers, a lane channel's among them:
-                # none may outlive the step (its writer's next message waits for that)
-                got.clear()
+                got.clear()  # views of the transport's buffers: none may outlive the step
         self.ctx.note_rounds(call, rounds, schedule.algorithm)
         if op is not None:
             finish(schedule, flat, self.ctx.rank, op)

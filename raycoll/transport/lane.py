@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["LaneTransport", "open_channel", "release_channel", "lane_possible",
-           "oversubscribed", "on_one_host"]
+           "oversubscribed", "on_one_host", "host_ranks"]
 
 #: How long a read or a write spins before it polls (Ray's channel timeouts are in ms).
 SPIN_S = 0.001
@@ -150,6 +150,16 @@ def on_one_host(ctx: "GroupContext") -> bool:
         return True
     hosts = {a[0] if a else None for a in ctx.addresses}
     return len(hosts) == 1 and None not in hosts
+
+
+def host_ranks(ctx: "GroupContext") -> int:
+    """The group's ranks on this rank's machine (Ray nodes may share one), the same on every
+    rank of a node."""
+    mine = ctx.addresses[ctx.rank]
+    if not mine:
+        here = ctx.node_ids[ctx.rank]
+        return sum(1 for n in ctx.node_ids if n == here)
+    return sum(1 for a in ctx.addresses if a and a[0] == mine[0])
 
 
 def lane_possible(ctx: "GroupContext") -> bool:
@@ -278,7 +288,7 @@ class LaneTransport(RoundTransport):
         self._in = peers
         for channel in peers.values():
             channel.ensure_registered_as_reader()
-        crowded = oversubscribed(self._host_ranks())
+        crowded = oversubscribed(self.ctx.size)
         self._yield = float(or_default(ctx.options.lane_yield_s, YIELD_S))
         self.spin_s = 0.0 if crowded else SPIN_S
         self.yield_s = self._yield if crowded else 0.0
@@ -291,10 +301,6 @@ class LaneTransport(RoundTransport):
     def spins_failed(self) -> int:
         """Spins that ran their whole length without the peer's message."""
         return self._backoff.failed
-
-    def _host_ranks(self) -> int:
-        """How many of the group's ranks share this rank's cores."""
-        return self.ctx.size
 
     def _spun_out(self) -> None:
         self._backoff.spun_out(self.calls)

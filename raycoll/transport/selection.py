@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from raycoll.transport import lane, node_lane, segment
+from raycoll.transport import lane, segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
                                    tcp_possible)
@@ -68,42 +68,8 @@ class GroupTransports:
         if planned == "lane":
             return self._set_up_lane(call)
         if planned == "tcp" and self.links is not None:  # "tcp" is planned only with links
-            tcp = TcpTransport(self.ctx, self.links)
-            if node_lane.node_lanes_possible(self.ctx):
-                self._set_up_node_lanes(call, tcp)
-            return tcp
+            return TcpTransport(self.ctx, self.links)
         return False
-
-    def _set_up_node_lanes(self, call: "Call", tcp: TcpTransport) -> None:
-        """Give ``tcp`` its node's lane where every rank of the node offers a channel, and
-        tell it whether every node with several ranks has one (the cost model then prices
-        their links as ``lane``): step 0 of ``call``, through the coordinator, on every rank
-        (see :mod:`raycoll.transport.node_lane`)."""
-        ctx = self.ctx
-        mates = node_lane.node_mates(ctx)
-        mine = lane.open_channel(ctx, mates) if node_lane.wants_node_lane(ctx) else None
-        epoch = uuid.uuid4().hex
-        # the channel to the node-mates only; to every rank, whether this one offers one
-        payload = [(mine if j in mates else None, mine is not None, epoch)
-                   for j in range(ctx.size)]
-        try:
-            got = ctx.setup_exchange(call, payload)
-        except BaseException:
-            lane.release_channel(ctx, mine, mates)
-            raise
-        ctx.skip_setup_step(call)  # the call's own steps, if any, move past this one
-        nodes = ctx.node_ids
-        lanes = {node: all(got[j][1] for j in range(ctx.size) if nodes[j] == node)
-                 for node in set(nodes) if nodes.count(node) > 1}
-        if mine is not None and lanes[nodes[ctx.rank]]:
-            first = min(mates + [ctx.rank])
-            tcp.node_lane = node_lane.NodeLane(
-                ctx, mine, {j: got[j][0] for j in mates},
-                epoch if first == ctx.rank else got[first][2], tcp.counters)
-        else:
-            lane.release_channel(ctx, mine, mates)
-        tcp.same_node = "lane" if all(lanes.values()) else "unix"
-        tcp.node_lanes = any(lanes.values())  # (alike on every rank)
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
         ctx = self.ctx

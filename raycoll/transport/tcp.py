@@ -63,10 +63,9 @@ from raycoll.transport.links import (
     peer_failure,
     tcp_possible,
 )
-from raycoll.transport.lane import oversubscribed
+from raycoll.transport.lane import host_ranks, oversubscribed
 from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
 from raycoll.transport.native_tcp import NativeSockets, native_sockets_possible
-from raycoll.transport.node_lane import host_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -97,15 +96,6 @@ class TcpTransport(RoundTransport):
         self.peak_recv_bytes = 0
         self.poll_min_s, self.poll_max_s = 0.002, 0.05
         self.failure_grace_s = CLOSED_GRACE_S
-        #: this node's lane, for the steps of a schedule inside the node
-        #: (:mod:`raycoll.transport.node_lane`), or ``None``
-        self.node_lane: Optional[RoundTransport] = None
-        #: the link class between two ranks of one node, for the cost model: ``"lane"`` once
-        #: every node with several ranks has its lane
-        self.same_node = "unix"
-        #: whether any node of the group has a node lane (its ranks then run the schedules'
-        #: steps in Python, and so must every rank)
-        self.node_lanes = False
         #: the schedules' native runs, where every rank has the native core
         self.native: Optional[NativeSockets] = (
             NativeSockets(self, oversubscribed(host_ranks(ctx)))
@@ -194,20 +184,8 @@ class TcpTransport(RoundTransport):
 
     def _shut(self) -> None:
         self.links.close(ABORT)  # broken: the peers must fail too
-        if self.node_lane is not None:
-            # closed: its channel must not go back to the pool at close() (the next group
-            # among the same actors would take a closed channel and fail "Channel closed")
-            self.node_lane._poisoned = True
-            self.node_lane._shut()
-
-    def reject(self, call: "Call", message: str) -> None:
-        super().reject(call, message)
-        if self.node_lane is not None:
-            self.node_lane.reject(call, message)
 
     def close(self) -> None:
         if self.native is not None:
             self.native.close()
         super().close()
-        if self.node_lane is not None:
-            self.node_lane.close()
