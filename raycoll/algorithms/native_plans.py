@@ -31,8 +31,8 @@ import numpy as np
 from raycoll.algorithms.schedule import Schedule, Transfer
 from raycoll.transport.counters import Counters
 
-__all__ = ["NativePlan", "plan_schedule", "SEND", "RECV", "XFER", "RED2", "MREDUCE", "LOCAL",
-           "FINAL"]
+__all__ = ["NativePlan", "plan_schedule", "plan_exchange", "Piece", "SEND", "RECV", "XFER",
+           "RED2", "MREDUCE", "LOCAL", "FINAL"]
 
 LOCAL, FINAL, SEND, RECV, XFER, RED2, MREDUCE = 5, 6, 7, 8, 9, 10, 11
 FLAT, SCRATCH = 0, 1
@@ -149,6 +149,45 @@ def _apply(ops: List[Op], recvs: Sequence[Transfer], staged: Dict[Transfer, int]
         ops.append((MREDUCE, FLAT, t.lo * itemsize, n, SCRATCH, base, len(order), n))
         at = base + len(order) * n
     return at
+
+
+#: One message of a one-step exchange: (peer, buffer id, offset, bytes).
+Piece = Tuple[int, int, int, int]
+
+
+def plan_exchange(rank: int, sends: Sequence[Piece], recvs: Sequence[Piece],
+                  local: Sequence[Tuple[int, int, int, int, int]],
+                  nodes: Sequence[str], step: int = 0) -> NativePlan:
+    """One step of point-to-point messages (gather, scatter, all_to_all and their
+    metadata): this rank sends each of ``sends`` to its peer and receives each of ``recvs``
+    straight into its buffer (at most one message each way per peer, empty ones included:
+    the receiver's count is checked against the sender's, and a difference fails the call on
+    the receiver as a mismatch), then ``local`` copies ``(dst buffer, dst offset, src
+    buffer, src offset, bytes)`` run (this rank's own piece). Buffer ids are the caller's
+    (:data:`FLAT` and :data:`SCRATCH` are 0 and 1); the step's messages carry ``step``."""
+    ops: List[Op] = []
+    counts = Counters()
+    for peer, buf, off, n in sends:
+        if peer == rank:
+            raise ValueError(f"plan_exchange: rank {rank} cannot send itself a message")
+        ops.append((SEND, buf, off, n, peer, 0, 0, 0))
+        counts.sent(peer, n, nodes[peer] == nodes[rank])
+    for peer, buf, off, n in recvs:
+        if peer == rank:
+            raise ValueError(f"plan_exchange: rank {rank} cannot receive from itself")
+        ops.append((RECV, buf, off, n, peer, 0, 0, 0))
+        counts.received(peer, n, nodes[peer] == nodes[rank])
+    rounds = 0
+    if sends or recvs:
+        ops.append((XFER, 0, 0, 0, 0, 0, 0, step))
+        rounds = counts.rounds = 1
+    for dst, dst_off, src, src_off, n in local:
+        if n:
+            ops.append((LOCAL, dst, dst_off, n, src, src_off, 0, 0))
+    arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    arr.setflags(write=False)
+    return NativePlan(arr, 0, tuple(dict.fromkeys(p for p, *_ in sends)),
+                      tuple(dict.fromkeys(p for p, *_ in recvs)), rounds, counts)
 
 
 def staged_bytes(plan: Optional[NativePlan]) -> int:

@@ -26,6 +26,7 @@ from raycoll.algorithms.direct import DirectAlgorithms
 from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
 from raycoll.backends.segment_paths import SegmentPaths
+from raycoll.backends.socket_paths import SocketPaths
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.coordinator.logic import meta_mismatch
 from raycoll.options import or_default
@@ -68,8 +69,8 @@ TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
 
-class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, StoreSteps,
-                     CollectiveBackend):
+class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgorithms,
+                     StoreSteps, CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
     coordinator and the Ray object store (see the module docstring)."""
 
@@ -313,6 +314,8 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
         if self.ctx.size > 1 and self._seg_gather(mine, outs, call, root):
             return
+        if root is not None and self._net_gather(mine, outs, call, root):
+            return
         if root is None and len(outs) == self.ctx.size \
                 and all(o.size == mine.size and o.dtype == mine.dtype for o in outs) \
                 and self._schedules("all_gather", mine.nbytes * len(outs), mine.itemsize, call):
@@ -334,6 +337,9 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
         out = host_view(output)
         me, size = self.ctx.rank, self.ctx.size
         if size > 1 and self._seg_scatter(out, inputs, src, call, host_view):
+            return
+        if self._net_scatter(out, [host_view(t) for t in inputs or []] if me == src else [],
+                             src, call):
             return
         if self._streams(out.nbytes * (size - 1)):
             ins = [flat_in(host_view(t)) for t in inputs or []] if me == src else []
@@ -388,6 +394,8 @@ class ObjstoreBackend(SegmentPaths, ScheduledAlgorithms, DirectAlgorithms, Store
         me, size = self.ctx.rank, self.ctx.size
         step = 0
         if size > 1 and self._seg_all_to_all(outs, ins, call):
+            return
+        if self._net_all_to_all(outs, ins, call):
             return
         if size > 1:
             # Per-peer sizes may differ between ranks, so no rank can tell alone that every

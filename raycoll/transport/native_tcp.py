@@ -173,8 +173,10 @@ class NativeSockets:
 
     # ------------------------------------------------------------------ running
     def run(self, call: "Call", plan: NativePlan, flat: np.ndarray,
-            codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
-        """Run ``plan`` for ``call`` on ``flat`` (in place); raise the call's error."""
+            codes: Tuple[int, int], op: Optional["ReduceOp"],
+            more: Sequence[np.ndarray] = ()) -> None:
+        """Run ``plan`` for ``call`` on ``flat`` (in place; buffer 0, the scratch is 1, and
+        ``more``, contiguous arrays, are 2, 3, ...); raise the call's error."""
         self._began = time.monotonic()
         self._call = call
         with self._lock:
@@ -184,7 +186,7 @@ class NativeSockets:
                     "was destroyed on this rank")
             self._busy += 1
         try:
-            self._execute(call, plan, flat, codes, op)
+            self._execute(call, plan, flat, codes, op, more)
         except BaseException:
             self._moved = self._counts()  # a failed call's traffic counts for no call
             raise
@@ -218,7 +220,8 @@ class NativeSockets:
         tally.add_peers(np.flatnonzero(moved[:, 2] + moved[:, 3]).tolist())
 
     def _execute(self, call: "Call", plan: NativePlan, flat: np.ndarray,
-                 codes: Tuple[int, int], op: Optional["ReduceOp"]) -> None:
+                 codes: Tuple[int, int], op: Optional["ReduceOp"],
+                 more: Sequence[np.ndarray]) -> None:
         self._connect(call, plan)
         if self._scratch.nbytes < plan.scratch:
             self._scratch = np.empty(plan.scratch, dtype=np.uint8)
@@ -229,7 +232,8 @@ class NativeSockets:
         wait = self._spinning if may_spin() else self._no_spin
         try:
             status, peer, err, broke, exc = core.execute(
-                None, plan.ops, (_bytes(flat), self._scratch), codes[0], codes[1], factor,
+                None, plan.ops, (_bytes(flat), self._scratch, *map(_bytes, more)), codes[0],
+                codes[1], factor,
                 divisor, call.seq, b"", wait, self._check,
                 (self.out_fd, self.in_fd, self.conns, fp))
         finally:

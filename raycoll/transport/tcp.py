@@ -101,10 +101,11 @@ class TcpTransport(RoundTransport):
             NativeSockets(self, oversubscribed(host_ranks(ctx)))
             if native_sockets_possible(ctx, self._peers) else None)
 
-    def run_native(self, call: "Call", plan: Any, flat: Any, codes: Any, op: Any) -> None:
-        """Run a schedule's native ``plan`` for ``call`` (see :mod:`.native_tcp`)."""
+    def run_native(self, call: "Call", plan: Any, flat: Any, codes: Any, op: Any,
+                   more: Sequence[Any] = ()) -> None:
+        """Run a native ``plan`` for ``call`` (see :mod:`.native_tcp`)."""
         assert self.native is not None, "run_native needs the native core on every rank"
-        self.native.run(call, plan, flat, codes, op)
+        self.native.run(call, plan, flat, codes, op, more)
         self._done = (call.op, call.seq)
         self.calls += 1
         self.report()
