@@ -182,12 +182,14 @@ def test_ranks_of_a_node_share_its_link_where_nic_is_set():
 @pytest.mark.parametrize("sizes", [[2, 2], [4, 4]])
 def test_calibrated_on_a_shaped_network_the_model_picks_what_was_measured_fastest(sizes):
     """The rows of benchmarks/results/netns_calibrate.txt: large all_reduce and broadcast go
-    node-aware, large all_gather and reduce_scatter ring."""
+    node-aware, large reduce_scatter ring; all_gather node-aware (each block enters every other
+    node once, in 2 steps: benchmarks/results/netns_all_gather_hierarchical.txt, the fastest
+    forced algorithm at 1 MiB on 2+2 and 4+4 and at 64 MiB on 4+4, 1.33x the ring there)."""
     topo = Topology.from_sizes(sizes)
     model = CostModel.of(NETNS_1GBIT)
     assert choose("all_reduce", topo, 64 << 20, model=model).startswith("hierarchical")
     assert choose("broadcast", topo, 64 << 20, model=model) == "hierarchical"
-    assert choose("all_gather", topo, 64 << 20, model=model) == "ring"
+    assert choose("all_gather", topo, 64 << 20, model=model) == "hierarchical"
     assert choose("reduce_scatter", topo, 64 << 20, model=model) == "ring"
 
 

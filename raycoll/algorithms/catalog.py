@@ -28,6 +28,7 @@ def _builders() -> Dict[Tuple[str, str], Callable[[Topology, int, int], List[Ste
         ("all_gather", "direct"): mesh.all_gather,
         ("all_gather", "ring"): ring.all_gather,
         ("all_gather", "recursive_doubling"): doubling.all_gather_doubling,
+        ("all_gather", "hierarchical"): hierarchical.all_gather,
         ("broadcast", "direct"): mesh.broadcast,
         ("broadcast", "binomial"): tree.broadcast_binomial,
         ("broadcast", "scatter_allgather"): tree.broadcast_scatter_allgather,

@@ -13,6 +13,12 @@ Over a ring, a node sends ``2 (M - 1) / M * n`` elements to other nodes (when th
 evenly), against ``2 (W - 1) / W * n`` a rank for a flat ring. broadcast: a binomial tree over
 one head a node (the root on its node, the leader elsewhere), then a binomial tree inside
 each node from its head.
+
+all_gather, in two steps whatever the layout: each rank sends its block to one rank of every
+other node (local rank ``i`` of a node to local rank ``i mod L_m`` of node ``m``), then every
+rank sends its node-mates what it holds (its block and those it received). Each block enters
+every other node once, as over a ring, but in 2 steps where a ring takes ``W - 1``; the flat
+direct exchange sends a block into a node once per rank of it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from raycoll.algorithms import doubling, ring, tree
 from raycoll.algorithms.schedule import Step, blocks, in_parallel, sub_ranks, transfer
 from raycoll.algorithms.topology import Topology
 
-__all__ = ["all_reduce", "all_reduce_doubling", "broadcast", "slice_owners"]
+__all__ = ["all_reduce", "all_reduce_doubling", "all_gather", "broadcast", "slice_owners"]
 
 
 def slice_owners(topology: Topology) -> List[List[int]]:
@@ -70,3 +76,24 @@ def broadcast(topology: Topology, n: int, root: int = 0) -> List[Step]:
     intra = in_parallel(*[tree.broadcast_steps(sub_ranks(g, heads[m]), 0, n)
                           for m, g in enumerate(topology.node_ranks)])
     return inter + intra
+
+
+def all_gather(topology: Topology, n: int, root: int = 0) -> List[Step]:
+    world = topology.world_size
+    owned = blocks(0, n, world)
+    held: List[List[int]] = [[r] for r in range(world)]  # the blocks each rank holds
+    across: Step = []
+    for r in range(world):
+        local = topology.node_ranks[topology.node_of[r]].index(r)
+        for m, group in enumerate(topology.node_ranks):
+            if m != topology.node_of[r]:
+                dst = group[local % len(group)]
+                across += transfer(r, dst, *owned[r], False)
+                held[dst].append(r)
+    inside: Step = []
+    for q in range(world):
+        for mate in topology.node_ranks[topology.node_of[q]]:
+            if mate != q:
+                for b in held[q]:
+                    inside += transfer(q, mate, *owned[b], False)
+    return [across, inside]

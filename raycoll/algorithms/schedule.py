@@ -57,7 +57,7 @@ ALGORITHMS: Dict[str, Tuple[str, ...]] = {
     "all_reduce": ("direct", "direct_rsag", "ring", "recursive_doubling", "halving_doubling",
                    "hierarchical", "hierarchical_doubling"),
     "reduce_scatter": ("direct", "ring", "halving"),
-    "all_gather": ("direct", "ring", "recursive_doubling"),
+    "all_gather": ("direct", "ring", "recursive_doubling", "hierarchical"),
     "broadcast": ("direct", "binomial", "scatter_allgather", "hierarchical"),
     "reduce": ("direct", "binomial", "rsgather"),
 }
