@@ -72,6 +72,9 @@ class _Root:
     options: GroupOptions
     secret: Optional[bytes] = None
     by_name: bool = False
+    #: the coordinator's generation of the group's membership (moved on by shrink and grow:
+    #: :mod:`raycoll.elastic`)
+    generation: int = 0
 
 
 class ProcessGroup(ObjectAPI):
