@@ -153,6 +153,7 @@ def _settle(pg: ProcessGroup, flags: int, why: str) -> None:
             pg._broken = errors.GroupBrokenError(f"group {pg.name!r} was aborted: {why}",
                                                  group=pg.name)
         pg.client.submit_abort(pg.name, "aborted", f"group {pg.name!r} was aborted: {why}", {})
+        return  # closing the group ends this rank's calls in flight
     deadline = time.monotonic() + pg.timeout_s
     while pg.outstanding() and time.monotonic() < deadline:
         time.sleep(0.001)
