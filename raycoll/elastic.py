@@ -42,10 +42,12 @@ logger = logging.getLogger("raycoll")
 
 __all__ = ["SHRINK_DEFAULT", "SHRINK_ABORT", "shrink_group", "admit_new_ranks", "grow_group"]
 
-#: ``shrink_group``'s flags (torch's): wait for this rank's calls in flight on the old group
-#: to end first, or abort them (every rank's calls still waiting fail at once).
 SHRINK_DEFAULT = 0x00
+"""``shrink_group``'s default flag (torch's value): wait for this rank's calls queued on the
+old group to end first (on a broken group they end at once)."""
 SHRINK_ABORT = 0x01
+"""``shrink_group``'s flag (torch's value) that aborts the old group first: every rank's calls
+still waiting on it fail at once."""
 
 
 def _target(group: Any, where: str) -> ProcessGroup:
