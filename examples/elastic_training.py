@@ -1,6 +1,6 @@
 """Elastic data-parallel training on Ray actors: a rank is killed, the others go on.
 
-Run:  python examples/elastic_training.py [--ranks 4] [--steps 60] [--kill-at 20]
+Run:  python examples/elastic_training.py [--ranks 4] [--steps 60] [--kill-at 20] [--standby]
 
 Four actors train a linear model by data-parallel SGD (numpy; each rank computes the
 gradient of its own batch, ``all_reduce`` averages them). At step ``--kill-at`` the driver
@@ -10,7 +10,8 @@ kills one rank's process (SIGKILL, as ``kill -9``). What happens next:
    naming the dead rank; each survivor calls ``raycoll.shrink_group([dead])`` itself, on
    the spot, and redoes the step with the group of the survivors (their model, optimizer
    state and data position were never lost);
-2. the driver sees the actor die, starts a replacement, and calls
+2. the driver sees the actor die, starts a replacement (``--standby``: one started ahead,
+   as a warm spare), and calls
    ``raycoll.grow_group("dp", [new])`` while every survivor calls
    ``raycoll.admit_new_ranks()`` at its next step boundary;
 3. the replacement takes rank 0's state (``raycoll.broadcast_state_dict``: over the data
@@ -123,10 +124,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kill-at", type=int, default=20)
     parser.add_argument("--victim", type=int, default=2)
+    parser.add_argument("--standby", action="store_true",
+                        help="start the replacement actor ahead (a warm spare), not after the kill")
     args = parser.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     trainers = [Trainer.remote() for _ in range(args.ranks)]
     raycoll.create_group(trainers, group_name=GROUP)
+    standby = Trainer.remote() if args.standby else None
     losses: List[float] = []
     for step in range(args.steps):
         if step == args.kill_at:
@@ -145,9 +149,10 @@ def main() -> None:
                   f"loss {done[0]['loss']:.4f}")  # type: ignore[index]
             losses.append(done[0]["loss"])  # type: ignore[index]
             start = time.monotonic()
-            new = Trainer.remote()
+            new = standby if standby is not None else Trainer.remote()
             ray.get(new.pid.remote())  # the replacement is up
-            print(f"  a replacement actor started in {time.monotonic() - start:.2f}s (Ray)")
+            print(f"  the replacement actor is up {time.monotonic() - start:.2f}s later "
+                  f"({'started ahead' if standby is not None else 'started now'})")
             grow_start = time.monotonic()
             admitted = [t.admit.remote() for t in survivors]
             raycoll.grow_group(GROUP, [new])

@@ -176,7 +176,7 @@ def _spec(pg: ProcessGroup) -> GroupSpec:
 def _shrink_root(pg: ProcessGroup, excluded: List[int], kept: List[int]) -> ProcessGroup:
     root, me = pg._root, pg.rank()
     was_default = pg.is_default
-    old_members = list(root.members)
+    old_members = list(root.members)  # (also keeps the handles unpacked: read from the cache)
     world().remove(pg.name, f"shrink_group: replaced by the group of ranks {kept}")
     client = CoordinatorClient(root.client.handle, pg.name)
     info = client.reconfigure("shrink", root.generation, me, kept.index(me), len(kept),
@@ -241,6 +241,7 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     seconds = float(to_seconds(timeout, pg.timeout_s) or pg.timeout_s)
     _settle(pg, SHRINK_DEFAULT, "admit_new_ranks")
     root, me = pg._root, pg.rank()
+    held = list(root.members)  # the peers' actor handles, unpacked: read again from the cache
     links = getattr(pg.context._transports, "links", None)
     if links is not None and links._listener is not None:  # no peer may reach the old
         links._listener.unregister(links)  # generation while the new one's links form
@@ -254,8 +255,10 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     was_default = pg.is_default
     world().remove(pg.name, "admit_new_ranks: replaced by the grown group")
     client = CoordinatorClient(root.client.handle, pg.name)
-    return install_root_group(_spec(pg), me, client, info, pg.backend_config,
-                              make_default=was_default, group_desc=pg._group_desc)
+    grown = install_root_group(_spec(pg), me, client, info, pg.backend_config,
+                               make_default=was_default, group_desc=pg._group_desc)
+    del held
+    return grown
 
 
 def _newcomer(actor_self: Any, name: str, coordinator: Any, rank: int, size: int,

@@ -31,27 +31,38 @@ def _run(actor: Any, fn: Any, rank: int, *args: Any) -> Any:
     return actor.run.remote(fn, rank, args, {})
 
 
+@pytest.fixture(scope="module")
+def pool(ray_local):
+    """Rank actors reused from test to test (starting one takes seconds on a loaded
+    machine): the ones a test killed are replaced, the newcomers it added kept."""
+    actors: List[Any] = [Worker.remote() for _ in range(4)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _alive(actor: Any) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=60)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+
+
 @pytest.fixture
-def team(ray_local):
-    """Four fresh rank actors in group ``el-<id>`` (default group in each), killed after."""
-    actors = [Worker.remote() for _ in range(4)]
+def team(pool):
+    """Four rank actors of the pool in group ``el-<id>`` (default group in each)."""
+    actors = pool[:4]
     name = f"el-{uuid.uuid4().hex[:6]}"
-    raycoll.create_group(actors, group_name=name, timeout=TIMEOUT_S, options=_options())
+    raycoll.create_group(actors, group_name=name, timeout=TIMEOUT_S)
     extra: List[Any] = []
     yield actors, name, extra
     try:
         raycoll.destroy_group(name)
     except Exception:  # noqa: BLE001 - the test may have left it half gone
         pass
-    for actor in actors + extra:
-        ray.kill(actor, no_restart=True)
-
-
-_OPTIONS: Dict[str, Any] = {}
-
-
-def _options() -> Dict[str, Any]:
-    return dict(_OPTIONS)
+    live = [a for a in pool + extra if _alive(a)]
+    pool[:] = live + [Worker.remote() for _ in range(4 - len(live))]
 
 
 # ---------------------------------------------------------------------- rank-side functions
