@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import uuid
+from datetime import timedelta
 from typing import Any, Dict, List
 
 import numpy as np
@@ -360,3 +361,66 @@ def test_broadcast_state_dict_nested_torch_and_numpy(ranks):
         assert o["buf"] == [[0, 1, 2, 3, 4], []] and o["buf_dtype"] == "int32"
         assert o["meta"] == {"epoch": 3, "name": "run"} and o["scalar"] == 2.5
         assert o["same"] == (r == 1)
+
+
+def _abort_in_flight(rank: int) -> Dict[str, Any]:
+    """Ranks 0-2 have an all_reduce in flight that rank 3 (alive) never joins; they shrink
+    without it under SHRINK_ABORT: the call in flight fails, the new group works."""
+    if rank == 3:
+        return {}
+    work = raycoll.all_reduce(np.ones(1000), async_op=True)
+    time.sleep(0.3)  # well inside the wait
+    start = time.monotonic()
+    new = raycoll.shrink_group([3], shrink_flags=raycoll.SHRINK_ABORT)
+    shrink_s = time.monotonic() - start
+    try:
+        work.wait(timeout=30)
+        pending = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        pending = type(exc).__name__
+    out = _reduce(rank)
+    out.update(pending=pending, shrink_s=shrink_s, group_size=new.size())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_shrink_abort_fails_the_call_in_flight_and_the_group_goes_on(team):
+    actors, _name, _extra = team
+    out = ray.get([_run(a, _abort_in_flight, r) for r, a in enumerate(actors)], timeout=80)
+    for o in out[:3]:
+        assert o["pending"] != "no error" and o["shrink_s"] < TIMEOUT_S / 2, o
+        assert (o["size"], o["value"], o["group_size"]) == (3, 6.0, 3), o
+
+
+def _by_name(rank: int, name: str, size: int, newcomer: bool) -> Dict[str, Any]:
+    if newcomer:  # it joined through the driver's grow_group
+        return _reduce(rank)
+    raycoll.init_process_group(world_size=size, rank=rank, group_name=name,
+                               timeout=timedelta(seconds=TIMEOUT_S))
+    before = _reduce(rank)
+    raycoll.admit_new_ranks(group=name)
+    out = _reduce(rank)
+    out["before"] = before["value"]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_grow_a_group_formed_by_name_in_the_actors(pool):
+    """Three actors form a group by name (init_process_group, no driver record); the
+    driver's grow_group finds it by name and adds a fourth."""
+    name = f"byname-{uuid.uuid4().hex[:6]}"
+    refs = [_run(a, _by_name, r, name, 3, False) for r, a in enumerate(pool[:3])]
+    deadline = time.monotonic() + 60
+    while True:  # until the three are in (the group's coordinator started by them)
+        try:
+            raycoll.grow_group(name, [pool[3]], timeout=TIMEOUT_S)
+            break
+        except raycoll.GroupNotFoundError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    out = ray.get(refs + [_run(pool[3], _by_name, 3, name, 4, True)], timeout=60)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert [o.get("before") for o in out[:3]] == [6.0] * 3
+    assert all((o["size"], o["value"]) == (4, 10.0) for o in out), out
+    ray.get([_run(a, lambda r: raycoll.destroy_process_group(), r) for r, a in enumerate(pool)],
+            timeout=60)
