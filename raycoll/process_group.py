@@ -516,7 +516,7 @@ class ProcessGroup(ObjectAPI):
             except BaseException as exc:  # KeyboardInterrupt, SystemExit, MemoryError too
                 if self._broken is None:
                     self._broken = exc
-                if self.size() > 1:
+                if self.size() > 1 and self._destroyed is None:  # (see _on_backend_failure)
                     me = self.global_ranks[self._rank]
                     self._root.client.submit_abort(
                         self._name, "aborted",
@@ -529,6 +529,11 @@ class ProcessGroup(ObjectAPI):
     def _on_backend_failure(self, exc: BaseException) -> None:
         if self._broken is None:
             self._broken = exc
+        if self._destroyed is not None:
+            # This rank closed the group (a failure its own close caused): nothing to tell.
+            # The group's name may serve a later generation of it already (shrink_group,
+            # admit_new_ranks: the same name, the same coordinator), which this would break.
+            return
         failed = getattr(exc, "failed_ranks", ())
         key = self._root.name if failed else self._name
         kind = "rank_failed" if failed else "aborted"
@@ -567,7 +572,8 @@ class ProcessGroup(ObjectAPI):
         )
         if self._broken is None:
             self._broken = err
-        self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
+        if self._destroyed is None:  # (see _on_backend_failure)
+            self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
         return err
 
     def close(self, reason: str) -> None:
