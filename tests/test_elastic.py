@@ -200,7 +200,8 @@ def _ray_killed_then_shrink(rank: int, excluded: List[int]) -> Dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_two_ranks_killed_between_collectives(team):
     """ray.kill ranks 0 and 2 while idle: the next call names them; the survivors 1 and 3
-    shrink (SHRINK_ABORT) into ranks 0 and 1 and go on, twice."""
+    shrink (SHRINK_ABORT) into ranks 0 and 1 and go on, twice, and under Join with uneven
+    inputs."""
     actors, name, _extra = team
     assert ray.get([_run(a, _reduce, r) for r, a in enumerate(actors)], timeout=60)[0]["value"] == 10
     for r in (0, 2):
@@ -214,6 +215,22 @@ def test_two_ranks_killed_between_collectives(team):
     assert [o["rank"] for o in out] == [0, 1]
     again = ray.get([_run(actors[r], _reduce, r) for r in (1, 3)], timeout=60)
     assert [a["value"] for a in again] == [3.0, 3.0]
+    joined = ray.get([_run(actors[r], _uneven, r) for r in (1, 3)], timeout=60)
+    assert joined == [(-7.0, 2, 2), (-7.0, 4, 1)], joined  # (w, steps, last contributors)
+
+
+def _uneven(rank: int) -> Any:
+    """Under Join on the shrunk group: new rank 0 has 2 batches, rank 1 has 4; gradients
+    rank + 1: averages 1.5, 1.5, then rank 1's 2.0 twice; rank 1's parameters everywhere."""
+    w = np.zeros(3)
+    avg = raycoll.GradientAverager([w])
+    me = raycoll.get_rank()
+    with raycoll.Join([avg]):
+        for _ in range(2 if me == 0 else 4):
+            avg.grads[0][...] = me + 1.0
+            avg.average()
+            w -= avg.grads[0]
+    return float(w[0]), avg.steps, avg.contributors
 
 
 def _wait_dead(name: str, ranks: set) -> None:
