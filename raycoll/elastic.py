@@ -281,7 +281,10 @@ def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any 
     the next ranks in list order, while every existing rank calls
     :func:`admit_new_ranks`. Returns once they are all in the grown group (then the new actors
     hold it as their default group if they had none, and as ``group=group_name``). Raises
-    ``DistTimeoutError`` after ``timeout`` (default 5 minutes) naming who did not come."""
+    ``DistTimeoutError`` after ``timeout`` (default 5 minutes) naming who did not come, and
+    ``GroupBrokenError`` at once where a rank of the group is dead (shrink it first). A
+    shrink that starts while newcomers are coming goes first: the grow then fails on every
+    rank, which stays in its group, and can be made again on the shrunk group."""
     if not isinstance(new_actors, (list, tuple)) or not new_actors:
         raise ValueError(f"new_actors must be a non-empty list of Ray actor handles, got "
                          f"{new_actors!r}")
@@ -295,6 +298,10 @@ def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any 
     handle = entry.spec.coordinator if entry is not None else _by_name(now[1], group_name)
     client = CoordinatorClient(handle, group_name)
     current = client.membership(_ASK_S)
+    if current["dead"]:
+        raise errors.GroupBrokenError(
+            f"grow_group({group_name!r}): ranks {current['dead']} of the group died; its "
+            "survivors must shrink_group first, then grow it", group=group_name)
     size = int(current["world_size"])
     ids = {a._actor_id.hex() for a in new_actors}
     if len(ids) != len(new_actors) or ids & set(current["actor_ids"]):

@@ -72,9 +72,7 @@ class _Root:
     options: GroupOptions
     secret: Optional[bytes] = None
     by_name: bool = False
-    #: the coordinator's generation of the group's membership (moved on by shrink and grow:
-    #: :mod:`raycoll.elastic`)
-    generation: int = 0
+    generation: int = 0  # of the membership, moved on by shrink and grow (raycoll.elastic)
 
 
 class ProcessGroup(ObjectAPI):
@@ -529,11 +527,8 @@ class ProcessGroup(ObjectAPI):
     def _on_backend_failure(self, exc: BaseException) -> None:
         if self._broken is None:
             self._broken = exc
-        if self._destroyed is not None:
-            # This rank closed the group (a failure its own close caused): nothing to tell.
-            # The group's name may serve a later generation of it already (shrink_group,
-            # admit_new_ranks: the same name, the same coordinator), which this would break.
-            return
+        if self._destroyed is not None:  # its own close failed it: tell no one (the name may
+            return  # serve the group's next generation already, raycoll.elastic)
         failed = getattr(exc, "failed_ranks", ())
         key = self._root.name if failed else self._name
         kind = "rank_failed" if failed else "aborted"

@@ -441,3 +441,31 @@ def test_grow_a_group_formed_by_name_in_the_actors(pool):
     assert all((o["size"], o["value"]) == (4, 10.0) for o in out), out
     ray.get([_run(a, lambda r: raycoll.destroy_process_group(), r) for r, a in enumerate(pool)],
             timeout=60)
+
+
+def _admit_then_shrink(rank: int) -> Dict[str, Any]:
+    start = time.monotonic()
+    try:
+        raycoll.admit_new_ranks(timeout=TIMEOUT_S)
+        admit = "no error"
+    except raycoll.RankFailedError as exc:
+        admit = f"RankFailedError {list(exc.failed_ranks)}"
+    waited = time.monotonic() - start
+    raycoll.shrink_group([3])
+    out = _reduce(rank)
+    out.update(admit=admit, waited=waited)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_member_dying_during_a_grow_fails_it_and_the_survivors_shrink(team):
+    """Ranks 0-2 wait in admit_new_ranks; rank 3 (not calling) is killed: the grow fails at
+    once on the three, naming it (not at its timeout), and they shrink without it."""
+    actors, _name, _extra = team
+    refs = [_run(a, _admit_then_shrink, r) for r, a in enumerate(actors[:3])]
+    time.sleep(0.5)
+    ray.kill(actors[3], no_restart=True)
+    out = ray.get(refs, timeout=80)
+    for o in out:
+        assert o["admit"] == "RankFailedError [3]" and o["waited"] < TIMEOUT_S / 2, o
+        assert (o["size"], o["value"]) == (3, 6.0), o

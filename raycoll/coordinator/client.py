@@ -127,7 +127,7 @@ class CoordinatorClient:
         return self.wait(ref, timeout_s, group=self.group_name, op=f"{kind}_group")
 
     def membership(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:
-        """The group as it is now: ``{"generation", "world_size", "actor_ids"}``."""
+        """The group as it is now: ``{"generation", "world_size", "actor_ids", "dead"}``."""
         return self._wait(self.handle.membership.remote(), timeout_s, where)
 
     def status(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:

@@ -28,7 +28,10 @@ from typing import Any, Dict, Optional, Tuple
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.state import CoordinatorState
 
-__all__ = ["ElasticMixin"]
+__all__ = ["ElasticMixin", "DEATH_CHECK_S"]
+
+#: How often a rank waiting for a membership change checks that no member taking part died.
+DEATH_CHECK_S = 0.1
 
 
 @dataclass
@@ -75,6 +78,12 @@ class ElasticMixin(CoordinatorState):
             return err("value", f"{kind} of group {self._group_name!r}: rank {old_rank} is not a "
                        f"member (members: {fmt_ranks(sorted(self._members))})")
         rc = self._reconf
+        if rc is not None and not rc.done.is_set() and rc.kind == "grow" and kind == "shrink":
+            # a rank died while newcomers were coming: the survivors' shrink goes first
+            rc.answer = err("aborted", f"grow of group {self._group_name!r} was superseded by a "
+                            f"shrink (excluding ranks {fmt_ranks(list(plan or ()))}): grow the "
+                            "shrunk group again")
+            rc.done.set()
         if rc is None or rc.done.is_set():
             rc = self._reconf = _Reconfiguration(kind, self._generation, plan, None)
         if (rc.kind, rc.plan) != (kind, plan):
@@ -101,21 +110,32 @@ class ElasticMixin(CoordinatorState):
                        f"taken or out of range (new world size {rc.size})")
         rc.arrivals[new_rank] = (old_rank, info, config)
         self._maybe_reconfigure(rc)
-        if not rc.done.is_set():
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not rc.done.is_set():
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                await asyncio.wait_for(rc.done.wait(), timeout_s)
+                await asyncio.wait_for(rc.done.wait(), max(0.0, min(left, DEATH_CHECK_S)))
             except asyncio.TimeoutError:
-                if not rc.done.is_set():
+                if rc.done.is_set():
+                    break
+                died = sorted(set(self._dead) - set(rc.plan or ()))
+                if died:  # a member that takes part is gone: this change cannot complete
+                    rc.answer = err("rank_failed", f"{rc.kind} of group {self._group_name!r} "
+                                    f"cannot complete: ranks {fmt_ranks(died)} died meanwhile",
+                                    failed_ranks=died)
+                    rc.done.set()
+                elif left <= DEATH_CHECK_S:
                     self._reconf_timed_out(rc, timeout_s)
         assert rc.answer is not None
         return rc.answer
 
     def membership(self) -> Result:
-        """The group as it is now: ``{"generation", "world_size", "actor_ids"}`` (actor ids
-        by rank, ``None`` for a rank that is no actor)."""
+        """The group as it is now: ``{"generation", "world_size", "actor_ids", "dead"}``
+        (actor ids by rank, ``None`` for a rank that is no actor; the ranks found dead)."""
         return ok({"generation": self._generation, "world_size": self._world_size,
                    "actor_ids": [(self._members.get(r) or {}).get("actor_id")
-                                 for r in range(self._world_size)]})
+                                 for r in range(self._world_size)],
+                   "dead": sorted(self._dead)})
 
     # ------------------------------------------------------------------ internals
     def _maybe_reconfigure(self, rc: _Reconfiguration) -> None:
