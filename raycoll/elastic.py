@@ -313,8 +313,8 @@ def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any 
     _wait_newcomers(refs, group_name, size, seconds)
     if entry is not None:  # the driver's record: the actors in rank order, as they are now
         known = {a._actor_id.hex(): a for a in list(entry.actors) + list(new_actors)}
-        after = client.membership(_ASK_S)["actor_ids"]
-        entry.actors[:] = [known[i] for i in after if i in known]
+        after = list(current["actor_ids"]) + [a._actor_id.hex() for a in new_actors]
+        entry.actors[:] = [known[i] for i in after if i in known]  # (members keep their ranks)
 
 
 def _wait_newcomers(refs: List[Any], group_name: str, first: int, seconds: float) -> None:
