@@ -91,6 +91,8 @@ from raycoll.world import GroupMember
 from raycoll.world import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, spawn
+from raycoll.elastic import SHRINK_ABORT, SHRINK_DEFAULT, admit_new_ranks, grow_group
+from raycoll.state_transfer import broadcast_state_dict
 from raycoll.status import group_status
 from raycoll.options import GroupOptions
 from raycoll.object_collectives import (
@@ -166,6 +168,8 @@ __all__ = [
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
     "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
+    # elastic groups
+    "SHRINK_DEFAULT", "SHRINK_ABORT", "grow_group", "admit_new_ranks", "broadcast_state_dict",
     # errors
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",

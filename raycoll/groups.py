@@ -18,6 +18,7 @@ import ray
 from raycoll import errors
 from raycoll.backends import backend_config
 from raycoll.coordinator import coordinator_name, spare, start_coordinator
+from raycoll.elastic import shrink_group
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec, ProcessGroup
 from raycoll.session import ENDED
 from raycoll.world import (
@@ -546,17 +547,3 @@ def get_pg_count() -> int:
     w = world()
     with w.lock:
         return len(w.groups)
-
-
-def shrink_group(ranks_to_exclude: List[int], group: Optional[ProcessGroup] = None,
-                 shrink_flags: int = 0, pg_options: Optional[Any] = None) -> ProcessGroup:
-    """torch's ``shrink_group`` (NCCL only in torch: it shrinks a communicator in place, the
-    excluded ranks not taking part), which raycoll cannot honour: raises
-    ``NotImplementedError`` saying what to do instead."""
-    raise NotImplementedError(
-        f"shrink_group(ranks_to_exclude={ranks_to_exclude!r}) cannot be honoured: raycoll does "
-        "not shrink a group in place without the excluded ranks. While every rank is alive, "
-        "call raycoll.new_group(ranks) with the ranks to keep, on every rank of the group; "
-        "after a rank failed (the group is then broken on every rank), destroy the group and "
-        "form it again over the surviving actors (raycoll.create_group / "
-        "init_process_group), as raycoll.train's restarts do")

@@ -72,6 +72,7 @@ class _Root:
     options: GroupOptions
     secret: Optional[bytes] = None
     by_name: bool = False
+    generation: int = 0  # of the membership, moved on by shrink and grow (raycoll.elastic)
 
 
 class ProcessGroup(ObjectAPI):
@@ -509,7 +510,7 @@ class ProcessGroup(ObjectAPI):
             except BaseException as exc:  # KeyboardInterrupt, SystemExit, MemoryError too
                 if self._broken is None:
                     self._broken = exc
-                if self.size() > 1:
+                if self.size() > 1 and self._destroyed is None:  # (see _on_backend_failure)
                     me = self.global_ranks[self._rank]
                     self._root.client.submit_abort(
                         self._name, "aborted",
@@ -522,6 +523,8 @@ class ProcessGroup(ObjectAPI):
     def _on_backend_failure(self, exc: BaseException) -> None:
         if self._broken is None:
             self._broken = exc
+        if self._destroyed is not None:  # its own close failed it: tell no one (the name may
+            return  # serve the group's next generation already, raycoll.elastic)
         failed = getattr(exc, "failed_ranks", ())
         key = self._root.name if failed else self._name
         kind = "rank_failed" if failed else "aborted"
@@ -560,7 +563,8 @@ class ProcessGroup(ObjectAPI):
         )
         if self._broken is None:
             self._broken = err
-        self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
+        if self._destroyed is None:  # (see _on_backend_failure)
+            self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
         return err
 
     def close(self, reason: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "NON_GROUP_MEMBER",
     "world",
     "join_root_group",
+    "install_root_group",
     "make_subgroup",
 ]
 
@@ -199,18 +200,31 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     where = listener()  # this rank's direct-connection address, if it can listen
     info = client.rendezvous(rank, spec.world_size, rank_info(where.address if where else None),
                              spec.timeout_s)
-    client.hold_lease(rank, int(info.get("generation", 0)))
+    pg = install_root_group(spec, rank, client, info, config, make_default)
+    logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
+    return pg
+
+
+def install_root_group(spec: GroupSpec, rank: int, client: CoordinatorClient,
+                       info: Dict[str, Any], config: Any, make_default: Optional[bool] = None,
+                       group_desc: Optional[str] = None) -> ProcessGroup:
+    """Register root group ``spec.name`` in this process as ``rank`` of the roster ``info``
+    (the coordinator's answer to a rendezvous, or to a membership change: its ``members``,
+    ``generation`` and ``secret``), holding this rank's lease on the coordinator."""
+    generation = int(info.get("generation", 0))
+    client.hold_lease(rank, generation)
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     members = [dict(m, actor=unpack_handle(m.get("actor"))) for m in info["members"]]
-    root = _Root(spec.name, client, members, spec.options, info.get("secret"), spec.by_name)
-    pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(spec.world_size), root=root,
-                      config=config, timeout_s=spec.timeout_s, backend_name=spec.backend)
+    root = _Root(spec.name, client, members, spec.options, info.get("secret"), spec.by_name,
+                 generation)
+    pg = ProcessGroup(name=spec.name, rank=rank, global_ranks=range(len(members)), root=root,
+                      config=config, timeout_s=spec.timeout_s, backend_name=spec.backend,
+                      group_desc=group_desc)
     w = world()
     with w.lock:
         default = w.default is None if make_default is None else make_default
         w.add(pg, make_default=default)
         w.sessions[spec.name] = session.current()
-    logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
     return pg
 
 

@@ -1,8 +1,9 @@
 """The rest of c10d's ``__all__``: every name of torch 2.13's ``distributed_c10d.__all__`` is in
 raycoll; availability (``is_backend_available`` and the ``is_*_available``), debug levels,
 ``supports_complex`` (checked against what the collectives really do), ``default_pg_timeout``,
-the default backend per device, the group count, and the names raycoll cannot honour
-(``shrink_group``, ``ProcessGroupGloo``), which say why."""
+the default backend per device, the group count, the name raycoll cannot honour
+(``ProcessGroupGloo``), which says why, and ``shrink_group`` checking its arguments as torch
+does before it looks for a group (its behaviour: test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -118,8 +119,12 @@ def test_default_pg_timeout_is_torchs():
     assert raycoll.default_pg_timeout == c10d.default_pg_timeout
 
 
-def test_shrink_group_says_why_not_and_what_to_do():
-    with pytest.raises(NotImplementedError, match="raycoll.new_group\\(ranks\\)"):
+def test_shrink_group_checks_its_arguments_first_then_needs_a_group():
+    with pytest.raises(TypeError, match="ranks_to_exclude must be a list"):
+        raycoll.shrink_group((1,))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Invalid shrink_flags value: 2"):
+        raycoll.shrink_group([1], shrink_flags=2)
+    with pytest.raises(raycoll.GroupNotFoundError, match="no default group"):
         raycoll.shrink_group([1])
 
 

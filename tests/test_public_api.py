@@ -46,6 +46,8 @@ EXPECTED = [
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
     "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
+    # elastic groups
+    "SHRINK_DEFAULT", "SHRINK_ABORT", "grow_group", "admit_new_ranks", "broadcast_state_dict",
     # errors
     "RaycollError", "GroupError", "GroupNotFoundError", "GroupDestroyedError",
     "CollectiveError", "CollectiveMismatchError", "PeerArgumentError", "DistTimeoutError",

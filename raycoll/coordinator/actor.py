@@ -4,8 +4,8 @@
 (rendezvous, leave), the key-value store and ``status`` here; step matching
 (:mod:`.steps`), round-transport bookkeeping (:mod:`.transports`), Join state
 (:mod:`.join_state`), the point-to-point mailbox (:mod:`.mailbox`), the groups' stores
-(:mod:`.store`) and liveness
-(:mod:`.liveness`). Every RPC answers
+(:mod:`.store`), liveness
+(:mod:`.liveness`) and membership changes (:mod:`.elastic`). Every RPC answers
 with a result tuple (:mod:`.logic`); ranks call it through
 :class:`raycoll.coordinator.client.CoordinatorClient`.
 """
@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import ray
 
 from raycoll import errors
+from raycoll.coordinator.elastic import ElasticMixin
 from raycoll.coordinator.join_state import JoinMixin
 from raycoll.coordinator.liveness import LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
@@ -29,7 +30,8 @@ from raycoll.coordinator.store import StoreMixin, table_sizes
 from raycoll.coordinator.transports import TransportMixin
 
 
-class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixin, LivenessMixin):
+class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixin, LivenessMixin,
+                  ElasticMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous

@@ -115,6 +115,21 @@ class CoordinatorClient:
         return bool(self.wait(self.handle.recycle.remote(), timeout_s, op="recycle")
                     .get("recycled"))
 
+    def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
+                    new_rank: int, new_size: Optional[int], plan: Any,
+                    info: Optional[Dict[str, Any]], config: Any,
+                    timeout_s: float) -> Dict[str, Any]:
+        """Take part in a membership change (shrink or grow, see
+        :mod:`raycoll.coordinator.elastic`); waits up to ``timeout_s`` for every rank of the
+        next generation. Returns ``{"members", "generation", "secret", "config"}``."""
+        ref: "ray.ObjectRef" = self.handle.reconfigure.remote(
+            kind, generation, old_rank, new_rank, new_size, plan, info, config, timeout_s)
+        return self.wait(ref, timeout_s, group=self.group_name, op=f"{kind}_group")
+
+    def membership(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:
+        """The group as it is now: ``{"generation", "world_size", "actor_ids", "dead"}``."""
+        return self._wait(self.handle.membership.remote(), timeout_s, where)
+
     def status(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:
         """Every group's ranks: last completed and current collective, Join state, breaks."""
         return self._wait(self.handle.status.remote(), timeout_s, where)
