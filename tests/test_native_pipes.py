@@ -52,7 +52,7 @@ def test_messages_keep_their_order_and_tags_and_small_sends_complete_at_once():
         assert not os.path.exists(f"/dev/shm{name}")  # both mapped it: unlinked
         for i in range(5):  # nobody receives yet: each completes alone (eager)
             status, broke, _ = a.send(np.full(10, i, np.int32), i % 2, b"i32|10", False, False,
-                                      NO_WAIT, None)
+                                      False, NO_WAIT, None)
             assert (status, broke) == (core.OK, 0)
         got = np.empty(10, np.int32)
         for i in range(5):
@@ -60,7 +60,7 @@ def test_messages_keep_their_order_and_tags_and_small_sends_complete_at_once():
             assert (status, tag, nbytes, meta) == (core.OK, i % 2, 40, b"i32|10")
             assert got.tolist() == [i] * 10
         # a message of another tag is left in the pipe: peek it, take it whole
-        a.send(np.arange(3, dtype=np.int64), 7, b"i64|3", False, False, NO_WAIT, None)
+        a.send(np.arange(3, dtype=np.int64), 7, b"i64|3", False, False, False, NO_WAIT, None)
         status, tag, nbytes, meta, _, _ = b.recv(np.empty(3, np.int64), 8, b"i64|3", WAIT, None)
         assert (status, tag, nbytes) == (core.PIPE_OTHER, 7, 24)
         assert b.peek(False, NO_WAIT, None)[:3] == (core.OK, 7, 24)
@@ -72,18 +72,21 @@ def test_messages_keep_their_order_and_tags_and_small_sends_complete_at_once():
         b.close()
 
 
-def _stream_sender(name: str, n: int, big_ack: bool) -> None:
+def _stream_sender(name: str, n: int, cma: bool) -> None:
     pipe = core.Pipe(name, 0, RING, 5.0)
     data = np.arange(n, dtype=np.uint32)
-    status, _, _ = pipe.send(data, 1, b"u32", True, big_ack, WAIT, _deadline(30))
+    status, _, _ = pipe.send(data, 1, b"u32", True, True, cma, WAIT, _deadline(30))
     os._exit(0 if status == core.OK else 10 + status)
 
 
-def test_a_message_larger_than_the_ring_streams_whole_while_the_receiver_reads():
+@pytest.mark.parametrize("cma", [False, True], ids=["streamed", "cross-memory"])
+def test_a_message_larger_than_the_ring_arrives_whole(cma):
+    """Streamed through the ring while the receiver reads, or read from the sender's memory
+    (process_vm_readv) where the receiver may."""
     name = f"/rctp{uuid.uuid4().hex[:12]}"
     n = 5 * RING // 4 + 7  # 5x the ring, and not a whole number of lines
     proc = multiprocessing.get_context("fork").Process(target=_stream_sender,
-                                                      args=(name, n, True))
+                                                      args=(name, n, cma))
     proc.start()
     pipe = core.Pipe(name, 1, RING, 5.0)
     try:
@@ -99,11 +102,12 @@ def test_a_message_larger_than_the_ring_streams_whole_while_the_receiver_reads()
             proc.kill()
 
 
-def test_a_mismatched_receive_rejects_the_message_on_both_sides_of_a_large_one():
+@pytest.mark.parametrize("cma", [False, True], ids=["streamed", "cross-memory"])
+def test_a_mismatched_receive_rejects_the_message_on_both_sides_of_a_large_one(cma):
     name = f"/rctp{uuid.uuid4().hex[:12]}"
     n = RING  # 4 x the ring in bytes: the sender waits for it to be taken
     proc = multiprocessing.get_context("fork").Process(target=_stream_sender,
-                                                      args=(name, n, True))
+                                                      args=(name, n, cma))
     proc.start()
     pipe = core.Pipe(name, 1, RING, 5.0)
     try:
@@ -118,10 +122,10 @@ def test_a_mismatched_receive_rejects_the_message_on_both_sides_of_a_large_one()
             proc.kill()
     a, b, _ = _pair()
     try:  # a small one: the sender completed already; the receiver says so
-        a.send(np.zeros(4, np.float32), 0, b"float32|4", False, False, NO_WAIT, None)
+        a.send(np.zeros(4, np.float32), 0, b"float32|4", False, False, False, NO_WAIT, None)
         status, _, _, meta, _, _ = b.recv(np.zeros(5), 0, b"float64|5", WAIT, None)
         assert (status, meta) == (core.MISMATCH, b"float32|4")
-        a.send(np.ones(2), 0, b"float64|2", False, False, NO_WAIT, None)  # the pipe goes on
+        a.send(np.ones(2), 0, b"float64|2", False, False, False, NO_WAIT, None)  # it goes on
         assert b.recv(np.zeros(2), 0, b"float64|2", WAIT, None)[0] == core.OK
     finally:
         a.close()
@@ -132,9 +136,9 @@ def test_copies_are_bounds_checked_before_anything_moves():
     a, b, _ = _pair()
     try:
         with pytest.raises(ValueError, match="meta"):
-            a.send(np.zeros(1), 0, b"x" * (core.PIPE_META_BYTES + 1), False, False, NO_WAIT,
-                   None)
-        a.send(np.arange(4.0), 0, b"f", False, False, NO_WAIT, None)
+            a.send(np.zeros(1), 0, b"x" * (core.PIPE_META_BYTES + 1), False, False, False,
+                   NO_WAIT, None)
+        a.send(np.arange(4.0), 0, b"f", False, False, False, NO_WAIT, None)
         with pytest.raises(RuntimeError, match="no message was peeked"):
             b.take(np.zeros(4), False, WAIT, None)
         assert b.peek(True, WAIT, None)[:3] == (core.OK, 0, 32)
@@ -178,7 +182,7 @@ def test_a_receiver_failing_mid_message_breaks_the_pipe_and_the_sender_stops_wai
     name = f"/rctp{uuid.uuid4().hex[:12]}"
     n = 4 * RING  # 16 x the ring: the sender waits for room while the receiver fails
     proc = multiprocessing.get_context("fork").Process(target=_stream_sender,
-                                                      args=(name, n, True))
+                                                      args=(name, n, False))
     proc.start()
     pipe = core.Pipe(name, 1, RING, 5.0)
     try:
@@ -216,7 +220,7 @@ def test_a_closed_peer_ends_the_wait_at_once():
 def test_a_message_sent_before_its_sender_closed_reaches_a_peer_that_comes_later():
     name = f"/rctp{uuid.uuid4().hex[:12]}"
     a = core.Pipe(name, 0, RING, 5.0)
-    a.send(np.arange(3.0), 4, b"f", False, False, NO_WAIT, None)
+    a.send(np.arange(3.0), 4, b"f", False, False, False, NO_WAIT, None)
     a.close()  # as a group destroyed right after an eager send: the name stays for the peer
     b = core.Pipe(name, 1, RING, 5.0)
     try:

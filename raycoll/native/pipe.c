@@ -5,6 +5,7 @@
 #endif
 #include "pipe.h"
 
+#include "cma.h"
 #include "segment.h" /* RC_ABORT_*, rc_pid_gone */
 
 #include <errno.h>
@@ -300,8 +301,40 @@ static int given_up(const rc_pipe *p) {
 }
 
 /* ---------------------------------------------------------------- sending */
+/* Stream n bytes at data into the ring from pos (after the message's header, published or
+ * not), then publish the message's end. A failure is in the middle of the message. */
+static int stream(rc_pipe *p, rc_pipe_ring *r, uint64_t pos, uint64_t end, const uint8_t *data,
+                  uint64_t n, rc_call *call) {
+    uint8_t *ring = ring_data(p, p->me);
+    uint64_t left = n;
+    /* a quarter of the ring at a time once it is full, so both sides copy at once */
+    uint64_t chunk = p->ring / 4u;
+    int streaming = end - (pos - RC_PIPE_MSG_BYTES) > p->ring;
+    while (left) {
+        uint64_t room = p->ring - (pos - load64(&r->tail));
+        if (room == 0) {
+            publish(&r->head, pos, &r->hseq, &r->head_waiters);
+            uint64_t want = left < chunk ? left : chunk;
+            int rc = wait_for(p, &r->tail, pos + want - p->ring, &r->tseq, &r->tail_waiters, call);
+            if (rc) return broken(p, rc, call);
+            continue;
+        }
+        uint64_t off = pos % p->ring;
+        uint64_t k = left < room ? left : room;
+        if (k > p->ring - off) k = p->ring - off;
+        memcpy(ring + off, data, k);
+        data += k;
+        pos += k;
+        left -= k;
+        if (left && streaming) publish(&r->head, pos, &r->hseq, &r->head_waiters);
+    }
+    publish(&r->head, end, &r->hseq, &r->head_waiters);
+    return RC_OK;
+}
+
 int rc_pipe_send(rc_pipe *p, int64_t tag, const uint8_t *meta, uint32_t meta_len,
-                 const uint8_t *data, uint64_t n, int may_wait, int ack, rc_call *call) {
+                 const uint8_t *data, uint64_t n, int may_wait, int ack, int cma,
+                 rc_call *call) {
     call->broke = 0;
     call->check_rc = 0;
     if (meta_len > RC_PIPE_META_BYTES || n > (1ull << 56)) return RC_BADPLAN;
@@ -310,7 +343,8 @@ int rc_pipe_send(rc_pipe *p, int64_t tag, const uint8_t *meta, uint32_t meta_len
     rc_pipe_ring *r = &p->rings[p->me];
     uint8_t *ring = ring_data(p, p->me);
     uint64_t head = r->head; /* this side's own word */
-    uint64_t whole = RC_PIPE_MSG_BYTES + round_up(n, RC_PIPE_MSG_BYTES);
+    cma = cma && ack && n > 0 && !__atomic_load_n(&r->no_cma, __ATOMIC_ACQUIRE);
+    uint64_t whole = RC_PIPE_MSG_BYTES + (cma ? 0 : round_up(n, RC_PIPE_MSG_BYTES));
     uint64_t end = head + whole;
     if (!at_least(load64(&r->tail) + p->ring, end)) { /* not whole now */
         if (!may_wait) return RC_PIPE_AGAIN;
@@ -326,32 +360,23 @@ int rc_pipe_send(rc_pipe *p, int64_t tag, const uint8_t *meta, uint32_t meta_len
     msg.tag = tag;
     msg.nbytes = n;
     msg.number = r->sent + 1u;
+    msg.flags = cma ? RC_PIPE_CMA : 0u;
+    msg.addr = cma ? (uint64_t)(uintptr_t)data : 0u;
     memcpy(msg.meta, meta, meta_len);
     memcpy(ring + head % p->ring, &msg, sizeof msg); /* whole: starts are multiples of 128 */
     r->sent = msg.number;
-    uint64_t pos = head + RC_PIPE_MSG_BYTES;
-    uint64_t left = n;
-    /* stream: a quarter of the ring at a time once it is full, so both sides copy at once */
-    uint64_t chunk = p->ring / 4u;
-    while (left) {
-        uint64_t room = p->ring - (pos - load64(&r->tail));
-        if (room == 0) {
-            publish(&r->head, pos, &r->hseq, &r->head_waiters);
-            uint64_t want = left < chunk ? left : chunk;
-            rc = wait_for(p, &r->tail, pos + want - p->ring, &r->tseq, &r->tail_waiters, call);
-            if (rc) return broken(p, rc, call);
-            continue;
+    if (cma) { /* the header alone; the receiver reads the payload here, or asks for it */
+        publish(&r->head, end, &r->hseq, &r->head_waiters);
+        rc = wait_for(p, &r->answered, msg.number, &r->tseq, &r->tail_waiters, call);
+        if (rc) return broken(p, rc, call); /* it may be reading this buffer: not whole */
+        if (load64(&r->streamed) == msg.number) {
+            rc = stream(p, r, end, end + round_up(n, RC_PIPE_MSG_BYTES), data, n, call);
+            if (rc) return rc;
         }
-        uint64_t off = pos % p->ring;
-        uint64_t k = left < room ? left : room;
-        if (k > p->ring - off) k = p->ring - off;
-        memcpy(ring + off, data, k);
-        data += k;
-        pos += k;
-        left -= k;
-        if (left && whole > p->ring) publish(&r->head, pos, &r->hseq, &r->head_waiters);
+    } else {
+        rc = stream(p, r, head + RC_PIPE_MSG_BYTES, end, data, n, call);
+        if (rc) return rc;
     }
-    publish(&r->head, end, &r->hseq, &r->head_waiters);
     if (!ack) return RC_OK;
     rc = wait_for(p, &r->taken, msg.number, &r->tseq, &r->tail_waiters, call);
     if (rc) return broken(p, rc, call); /* it may be read in part: the pipe is no longer whole */
@@ -394,6 +419,33 @@ int rc_pipe_take(rc_pipe *p, uint8_t *dst, uint64_t n, int reject, rc_call *call
     const uint8_t *ring = ring_data(p, 1 - p->me);
     uint64_t start = r->tail;
     uint64_t end = start + RC_PIPE_MSG_BYTES + round_up(p->cur.nbytes, RC_PIPE_MSG_BYTES);
+    if (p->cur.flags & RC_PIPE_CMA) {
+        int rc = RC_IOERR, err = 0;
+        if (dst != NULL) { /* bounds: exactly this buffer's n bytes, the message's */
+            rc_range local = {(uint64_t)(uintptr_t)dst, n};
+            rc_range remote = {p->cur.addr, n};
+            rc = rc_cma_readv(__atomic_load_n(&p->sides[1 - p->me].pid, __ATOMIC_ACQUIRE),
+                              &local, &remote, 1, &err);
+            if (rc == RC_DEAD) {
+                p->have_cur = 0;
+                return broken(p, rc, call);
+            }
+        }
+        if (rc == RC_OK || dst == NULL) { /* read (or skipped): the header was all of it */
+            if (reject) __atomic_store_n(&r->rejected, p->cur.number, __ATOMIC_RELEASE);
+            __atomic_store_n(&r->taken, p->cur.number, __ATOMIC_RELEASE);
+            __atomic_store_n(&r->answered, p->cur.number, __ATOMIC_RELEASE);
+            publish(&r->tail, start + RC_PIPE_MSG_BYTES, &r->tseq, &r->tail_waiters);
+            p->have_cur = 0;
+            return RC_OK;
+        }
+        /* not allowed here (no ptrace permission, say): the sender streams it after all */
+        __atomic_store_n(&r->no_cma, 1u, __ATOMIC_RELEASE);
+        __atomic_store_n(&r->streamed, p->cur.number, __ATOMIC_RELEASE);
+        __atomic_store_n(&r->answered, p->cur.number, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&r->tseq, 1u, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&r->tail_waiters, __ATOMIC_SEQ_CST) != 0) wake_all(&r->tseq);
+    }
     uint64_t pos = start + RC_PIPE_MSG_BYTES;
     uint64_t left = p->cur.nbytes;
     while (left) {

@@ -34,7 +34,14 @@
  *     a release store of tail, tseq bumped, the sleeping sender woken. When it has a whole
  *     message it stores taken (the message's number), or, for a message whose dtype or shape
  *     differ from the receive's, rejected first (then taken): a sender that waits for its
- *     message to be taken (a large one: RC_PIPE_ACK) learns that it was rejected.
+ *     message to be taken (a large one) learns that it was rejected.
+ *   - A large message may instead be offered across memory (RC_PIPE_CMA): the ring holds its
+ *     header only, which names the payload's address in the sender (whose buffer stays put
+ *     while it waits); the receiver reads it with process_vm_readv straight into its buffer
+ *     (one copy), bounded by its own buffer's length (exactly the message's), then stores
+ *     answered and taken. Where it may not (no ptrace permission), it stores streamed and
+ *     answered instead (and no_cma: no more offers), and the sender streams the payload
+ *     through the ring after the header as above.
  * Every wait spins a while (where the ranks fit the cores), then sleeps on the futex word it
  * waits for, waking at least every tick to check the peer's process and abort flag, and
  * calls the caller's check (its deadline, the coordinator) as rc_waiter says (core.h).
@@ -56,10 +63,12 @@ extern "C" {
 #define RC_PIPE_MAGIC 0x3150495043594152ULL /* "RAYCPIP1", little-endian */
 #define RC_PIPE_VERSION 1u
 #define RC_PIPE_MSG_MAGIC 0x4753504du       /* "MPSG" */
-#define RC_PIPE_META_BYTES 96u
+#define RC_PIPE_META_BYTES 80u
 #define RC_PIPE_MSG_BYTES 128u
 #define RC_PIPE_DATA_OFF 4096u
 #define RC_PIPE_NAME_MAX 64
+
+#define RC_PIPE_CMA 1u
 
 /* Results beside core.h's RC_*. */
 #define RC_PIPE_AGAIN 20 /* a send that may not wait could not go whole now; a poll found no
@@ -98,7 +107,11 @@ typedef struct {
     uint32_t pad2;
     uint64_t taken;     /* the number of the last message read whole (or rejected) */
     uint64_t rejected;  /* the number of the last message rejected (dtype or shape) */
-    uint8_t pad3[64 - 32];
+    uint64_t answered;  /* the last cross-memory message answered: taken, or streamed */
+    uint64_t streamed;  /* the last cross-memory message the receiver could not read from
+                           the sender's memory: the sender streams it through the ring */
+    uint32_t no_cma;    /* 1 once a cross-memory read failed: the sender stops offering */
+    uint8_t pad3[64 - 52];
     /* written by whoever sleeps */
     uint32_t head_waiters; /* receivers asleep on hseq */
     uint32_t tail_waiters; /* senders asleep on tseq */
@@ -112,6 +125,10 @@ typedef struct {
     int64_t tag;
     uint64_t nbytes;   /* the payload's bytes, after this header */
     uint64_t number;   /* the message's number on its direction (1, 2, ...) */
+    uint32_t flags;    /* RC_PIPE_CMA: the payload is not in the ring but at addr in the
+                          sender's memory (its pid: its side's line), nbytes long */
+    uint32_t pad;
+    uint64_t addr;
     uint8_t meta[RC_PIPE_META_BYTES]; /* what the receiver checks (dtype, shape): whole */
 } rc_pipe_msg;
 
@@ -143,10 +160,11 @@ void rc_pipe_abort(rc_pipe *p, uint32_t reason);
 
 /* Send n bytes at data as one message (tag, meta). may_wait 0: RC_OK if it went whole now,
  * else RC_PIPE_AGAIN with nothing written. ack: wait until the receiver took it whole
- * (RC_MISMATCH if it rejected it). Failures: RC_DEAD / RC_ABORTED / RC_CLOSED / RC_CHECK;
+ * (RC_MISMATCH if it rejected it); cma (with ack): offer the payload across memory. Failures: RC_DEAD / RC_ABORTED / RC_CLOSED / RC_CHECK;
  * one in the middle of the message raises this side's abort flag (call->broke). */
 int rc_pipe_send(rc_pipe *p, int64_t tag, const uint8_t *meta, uint32_t meta_len,
-                 const uint8_t *data, uint64_t n, int may_wait, int ack, rc_call *call);
+                 const uint8_t *data, uint64_t n, int may_wait, int ack, int cma,
+                 rc_call *call);
 /* Wait for the next message's header (may_wait 0: RC_PIPE_AGAIN if none is there) and keep it
  * as the current one (*msg: a copy). A header that does not parse breaks the pipe
  * (RC_GARBLED). */

@@ -77,9 +77,9 @@ static PyObject *pipe_send(PipeObject *self, PyObject *args) {
     PyObject *data_obj, *wait, *check;
     long long tag;
     Py_buffer meta;
-    int may_wait, ack;
-    if (!PyArg_ParseTuple(args, "OLy*ppOO", &data_obj, &tag, &meta, &may_wait, &ack, &wait,
-                          &check))
+    int may_wait, ack, cma;
+    if (!PyArg_ParseTuple(args, "OLy*pppOO", &data_obj, &tag, &meta, &may_wait, &ack, &cma,
+                          &wait, &check))
         return NULL;
     PyObject *result = NULL;
     Py_buffer data;
@@ -97,7 +97,7 @@ static PyObject *pipe_send(PipeObject *self, PyObject *args) {
     self->sending = 1;
     carg.ts = PyEval_SaveThread();
     int rc = rc_pipe_send(&self->pipe, tag, (const uint8_t *)meta.buf, (uint32_t)meta.len,
-                          (const uint8_t *)data.buf, (uint64_t)data.len, may_wait, ack, &call);
+                          (const uint8_t *)data.buf, (uint64_t)data.len, may_wait, ack, cma, &call);
     PyEval_RestoreThread(carg.ts);
     self->sending = 0;
     result = Py_BuildValue("(iiN)", rc, call.broke, check_exception(rc));
@@ -252,9 +252,10 @@ static PyObject *pipe_closed(PipeObject *self, void *closure) {
 
 static PyMethodDef pipe_methods[] = {
     {"send", (PyCFunction)pipe_send, METH_VARARGS,
-     "send(buf, tag, meta, may_wait, ack, wait, check) -> (status, broke, exc): one message "
-     "(may_wait false: AGAIN unless it goes whole now; ack: wait until the receiver took it, "
-     "MISMATCH if it rejected it); GIL released"},
+     "send(buf, tag, meta, may_wait, ack, cma, wait, check) -> (status, broke, exc): one "
+     "message (may_wait false: AGAIN unless it goes whole now; ack: wait until the receiver "
+     "took it, MISMATCH if it rejected it; cma, with ack: offer it across memory); GIL "
+     "released"},
     {"peek", (PyCFunction)pipe_peek, METH_VARARGS,
      "peek(may_wait, wait, check) -> (status, tag, nbytes, meta, broke, exc): the next "
      "message's header, kept as the current one (AGAIN: none, without waiting)"},

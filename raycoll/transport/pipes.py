@@ -225,7 +225,8 @@ class PairPipes:
             ticket = out.next_ticket
             out.next_ticket += 1
             if out.serving == ticket and data.nbytes <= EAGER_BYTES:
-                status, _, _ = pipe.send(data, tag, code, False, False, (0, 0, 0, 0), None)
+                status, _, _ = pipe.send(data, tag, code, False, False, False, (0, 0, 0, 0),
+                                         None)
                 if status == core.OK:
                     out.serving += 1
                     return _done
@@ -248,7 +249,7 @@ class PairPipes:
         try:
             policy, check = self._wait(deadline, timeout_s, [dst], f"{what} was not received")
             big = data.nbytes > EAGER_BYTES
-            status, broke, exc = pipe.send(data, tag, code, True, big, policy, check)
+            status, broke, exc = pipe.send(data, tag, code, True, big, big, policy, check)
             if status == core.MISMATCH:
                 raise errors.CollectiveMismatchError(
                     f"{what}: the receiver rejected the message ({describe_meta(code)}): its "
