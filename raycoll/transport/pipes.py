@@ -178,7 +178,7 @@ class PairPipes:
         """The error of a failed native call with ``peer``; one that breaks the pair's pipe
         fails every later call with it."""
         me, them = self.global_ranks[self.rank], self.global_ranks[peer]
-        ctx = {"group": self.group, "rank": me}
+        ctx: Dict[str, Any] = {"group": self.group, "rank": me}
         error: BaseException
         if status == core.CHECK and exc is not None:
             error = exc

@@ -1,0 +1,131 @@
+"""Point-to-point round trips, raycoll against torch.distributed gloo in the same Ray actors,
+timed two ways (issue 43):
+
+- **back to back**: rank 0 sends to the last rank and receives its reply, again and again;
+- **after a barrier**: each round trip comes right after a barrier of the same library (as
+  in a loop that does other work between calls: the peer is not already waiting in a spin).
+
+Both libraries run in the same actors, interleaved size by size, so the ratio is a same-run
+ratio. Reported: the median of rank 0's round trip (send + recv) in microseconds, and
+``x gloo`` = gloo's median / raycoll's (> 1: raycoll is faster).
+
+Usage: ``python benchmarks/p2p_latency.py [--world-size 2,4,8] [--sizes 4,1M,64M]
+[--iters 2000]``. The ranks are zero-CPU actors on one Ray node (this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import ray
+
+import raycoll
+from raycoll.testing import RankPool
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def _label(n: int) -> str:
+    for unit, k in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << k and n % (1 << k) == 0:
+            return f"{n >> k}{unit}"
+    return str(n)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _round_trips(rank: int, world: int, port: int, sizes: List[int], iters: int,
+                 ) -> Dict[str, Any]:
+    """In a rank: raycoll's and gloo's round trips (rank 0 <-> the last rank), back to back
+    and after a barrier, each size in turn. Only rank 0's times are returned."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    last = world - 1
+    out: Dict[str, Any] = {}
+
+    def trip(send: Callable[..., Any], recv: Callable[..., Any], x: Any, y: Any) -> None:
+        if rank == 0:
+            send(x, last)
+            recv(y, last)
+        elif rank == last:
+            recv(y, 0)
+            send(x, 0)
+
+    try:
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            reps = iters if nbytes <= 1 << 16 else max(10, iters // (100 if nbytes > 1 << 22 else 20))
+            xs = {"raycoll": np.ones(n, np.float32), "gloo": torch.ones(n)}
+            ys = {"raycoll": np.zeros(n, np.float32), "gloo": torch.zeros(n)}
+            calls = {"raycoll": (raycoll.send, raycoll.recv, raycoll.barrier),
+                     "gloo": (dist.send, dist.recv, dist.barrier)}
+            for pattern in ("back to back", "after a barrier"):
+                for lib in ("raycoll", "gloo"):
+                    send, recv, barrier = calls[lib]
+                    for _ in range(max(3, reps // 10)):
+                        trip(send, recv, xs[lib], ys[lib])
+                    barrier()
+                    times = []
+                    for _ in range(reps):
+                        if pattern == "after a barrier":
+                            barrier()
+                        t0 = time.perf_counter()
+                        trip(send, recv, xs[lib], ys[lib])
+                        times.append(time.perf_counter() - t0)
+                    if rank in (0, last) and float(ys[lib][0]) != 1.0:
+                        raise AssertionError(f"{lib} received {ys[lib][0]}, expected 1.0")
+                    out.setdefault(f"{lib}|{pattern}", {})[nbytes] = times
+        from raycoll.world import world as _world
+
+        mailbox = _world().default.context.mailbox()
+        out["path"] = f"{type(mailbox).__name__} ({raycoll.__file__})"
+    finally:
+        dist.destroy_process_group()
+    return out if rank == 0 else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", default="2")
+    parser.add_argument("--sizes", default="4,1M,64M")
+    parser.add_argument("--iters", type=int, default=2000)
+    args = parser.parse_args()
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    worlds = [int(w) for w in args.world_size.split(",")]
+    ray.init(address="local", num_cpus=max(4, max(worlds)), include_dashboard=False,
+             log_to_driver=False)
+    print(f"# p2p_latency: round trip rank 0 <-> last rank, float32, one node; median of rank "
+          f"0 over the iterations (us); gloo in the same actors, same run; native core: "
+          f"{raycoll.native_status()}")
+    print(f"{'ranks':>5} {'size':>6} {'pattern':>16} {'raycoll us':>11} {'gloo us':>10} "
+          f"{'x gloo':>7}")
+    with RankPool(max_world_size=max(worlds)) as pool:
+        for world in worlds:
+            got = pool.run(_round_trips, world, world, _free_port(), sizes, args.iters,
+                           timeout=900)[0]
+            print(f"# {world} ranks: raycoll's p2p path: {got['path']}")
+            for nbytes in sizes:
+                for pattern in ("back to back", "after a barrier"):
+                    ours = statistics.median(got[f"raycoll|{pattern}"][nbytes]) * 1e6
+                    theirs = statistics.median(got[f"gloo|{pattern}"][nbytes]) * 1e6
+                    print(f"{world:>5} {_label(nbytes):>6} {pattern:>16} {ours:>11.1f} "
+                          f"{theirs:>10.1f} {theirs / ours:>7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
