@@ -79,6 +79,7 @@ Received = Tuple[int, int, int, bytes, int, Optional[BaseException]]
 class Pipe:
     state: Dict[str, Any]
     closed: bool
+    spin_fails: int
     def __init__(self, name: str, side: int, ring_bytes: int, wait_s: float) -> None: ...
     def send(self, buf: Any, tag: int, meta: bytes, may_wait: bool, ack: bool, cma: bool,
              wait: Wait, check: Check) -> Tuple[int, int, Optional[BaseException]]: ...

@@ -253,7 +253,10 @@ static int wait_for(rc_pipe *p, const uint64_t *word, uint64_t target, uint32_t 
     uint64_t spin_until = w.start + call->wait.spin_ns;
     while (call->wait.spin_ns) {
         if (at_least(load64(word), target)) return RC_OK;
-        if (rc_now_ns() >= spin_until) break;
+        if (rc_now_ns() >= spin_until) {
+            p->spin_fails++;
+            break;
+        }
         for (int k = 0; k < 16; k++) rc_cpu_relax();
     }
     uint64_t tick = call->wait.tick_ns ? call->wait.tick_ns : 10000000ull;

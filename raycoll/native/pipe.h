@@ -143,6 +143,7 @@ typedef struct rc_pipe {
     int me;               /* this process's side */
     volatile int closing; /* set by close(): a running wait ends at once (RC_CLOSED) */
     int created;          /* this side created it */
+    uint64_t spin_fails;  /* waits whose spin ran its whole length (the peer was not there) */
     /* the message being read (between a peek and its take), by this side */
     rc_pipe_msg cur;
     int have_cur;

@@ -245,6 +245,11 @@ static PyObject *pipe_state(PipeObject *self, void *closure) {
                          p->created, "ring_bytes", (unsigned long long)p->ring);
 }
 
+static PyObject *pipe_spin_fails(PipeObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->pipe.spin_fails);
+}
+
 static PyObject *pipe_closed(PipeObject *self, void *closure) {
     (void)closure;
     return PyBool_FromLong(self->pipe.base == NULL);
@@ -275,6 +280,8 @@ static PyMethodDef pipe_methods[] = {
 static PyGetSetDef pipe_getset[] = {
     {"state", (getter)pipe_state, NULL, "the sides' words, as a dict", NULL},
     {"closed", (getter)pipe_closed, NULL, "whether it is unmapped", NULL},
+    {"spin_fails", (getter)pipe_spin_fails, NULL,
+     "waits whose spin ran its whole length without the peer", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject PipeType = {

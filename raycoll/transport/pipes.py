@@ -33,7 +33,7 @@ import numpy as np
 
 from raycoll import errors
 from raycoll.native import core
-from raycoll.transport.base import CHECK_FIRST_S, CHECK_MAX_S, may_spin
+from raycoll.transport.base import CHECK_FIRST_S, CHECK_MAX_S, SpinBackoff, may_spin
 
 __all__ = ["PairPipes", "EAGER_BYTES", "RING_BYTES", "SPIN_S"]
 
@@ -114,6 +114,10 @@ class PairPipes:
         self._explain = explain
         #: where ranks outnumber the cores a wait never spins
         self.spin_ns = 0 if crowded else int(SPIN_S * 1e9)
+        #: spins that keep running out (the peer descheduled: a loaded node) stop for a while
+        self._backoff = SpinBackoff(bool(self.spin_ns))
+        self._waits = 0
+        self._spin_fails: Dict[int, int] = {}
         self._lock = threading.Lock()
         self._pipes: Dict[int, Any] = {}
         self._outs: Dict[int, _Out] = {}
@@ -158,7 +162,8 @@ class PairPipes:
     def _wait(self, deadline: float, timeout_s: float, peers: Sequence[int],
               what: str) -> Tuple[Tuple[int, int, int, int], Callable[[float, Any], None]]:
         """A native wait's policy and its check: the call's deadline, then the coordinator."""
-        spin = self.spin_ns if may_spin() else 0
+        self._waits += 1
+        spin = self.spin_ns if may_spin() and self._backoff.spinning(self._waits) else 0
         first = min(CHECK_FIRST_S, max(timeout_s, 1e-3))
         policy = (spin, int(TICK_S * 1e9), int(first * 1e9), int(CHECK_MAX_S * 1e9))
 
@@ -168,6 +173,14 @@ class PairPipes:
             self._check(peers, waited_s)
 
         return policy, check
+
+    def _spun(self, peer: int, pipe: Any) -> None:
+        """After a native wait on ``pipe``: a spin that ran its whole length counts toward
+        backing off (:class:`raycoll.transport.base.SpinBackoff`)."""
+        fails = pipe.spin_fails
+        if fails != self._spin_fails.get(peer, 0):
+            self._spin_fails[peer] = fails
+            self._backoff.spun_out(self._waits)
 
     def _timed_out(self, message: str, peers: Sequence[int]) -> BaseException:
         return errors.DistTimeoutError(message, missing=[self.global_ranks[p] for p in peers],
@@ -250,6 +263,7 @@ class PairPipes:
             policy, check = self._wait(deadline, timeout_s, [dst], f"{what} was not received")
             big = data.nbytes > EAGER_BYTES
             status, broke, exc = pipe.send(data, tag, code, True, big, big, policy, check)
+            self._spun(dst, pipe)
             if status == core.MISMATCH:
                 raise errors.CollectiveMismatchError(
                     f"{what}: the receiver rejected the message ({describe_meta(code)}): its "
@@ -347,6 +361,7 @@ class PairPipes:
                 if fast:
                     got = pipe.recv(posted.arr.reshape(-1).view(np.uint8), posted.tag,
                                     posted.meta, policy, check)
+                    self._spun(src, pipe)
                     status, tag, nbytes, meta, broke, exc = got
                     with self._cv:
                         if status in (core.OK, core.MISMATCH):
@@ -360,6 +375,7 @@ class PairPipes:
                         posted.claimed = False
                 else:
                     got = pipe.peek(True, policy, check)
+                    self._spun(src, pipe)
                     status, tag, nbytes, meta, broke, exc = got
                 if status == core.OK or status == core.PIPE_OTHER:
                     self._route(pipe, src, tag, nbytes, meta, policy, check, what)
