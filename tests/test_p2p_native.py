@@ -167,3 +167,33 @@ def test_a_peer_killed_while_a_rank_waits_in_a_receive_fails_it_naming_the_rank(
         assert got["took"] < 60, got  # well within the group's timeout (120 s): no hang
     finally:
         raycoll.destroy_group(name)
+
+
+def _destroy_while_waiting(rank: int, group: str) -> Dict[str, Any]:
+    pg = world().resolve(group)
+    x = np.zeros(4)
+    raycoll.send(x, dst=1, group=group) if rank == 0 else raycoll.recv(x, src=0, group=group)
+    began = time.monotonic()
+    if rank == 0:  # an async receive that nothing will satisfy, then the group destroyed
+        work = raycoll.irecv(x, src=1, group=group)
+        time.sleep(0.5)  # it waits inside the pipe by now
+        raycoll.destroy_process_group(pg)
+        outcome = _outcome(lambda: work.wait(timeout=60))
+    else:  # waits for rank 0, which leaves instead
+        outcome = _outcome(lambda: raycoll.recv(x, src=0, group=group))
+    return {"type": outcome[0], "msg": outcome[1], "took": time.monotonic() - began}
+
+
+@pytest.mark.timeout(180)
+def test_destroying_the_group_ends_a_waiting_receive_on_both_ranks_with_a_named_error(team):
+    name = f"p2pdestroy-{uuid.uuid4().hex[:6]}"
+    raycoll.create_group(team, group_name=name, timeout=120)
+    try:
+        got = ray.get([a.run.remote(_destroy_while_waiting, r, (name,), {})
+                       for r, a in enumerate(team)], timeout=120)
+    finally:
+        raycoll.destroy_group(name)
+    for rank, out in enumerate(got):
+        assert out["type"] in ("GroupDestroyedError", "GroupBrokenError"), (rank, out)
+        assert out["took"] < 60, (rank, out)  # not the group's timeout (120 s): no hang
+    assert "left the group" in got[1]["msg"], got[1]

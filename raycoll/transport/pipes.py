@@ -200,7 +200,8 @@ class PairPipes:
                 f"{what}: rank {them}'s process died; the group is broken",
                 failed_ranks=[them], **ctx)
         elif status == core.ABORTED:
-            state = self._pipes[peer].state if not self._pipes[peer].closed else {}
+            pipe = self._pipes.get(peer)
+            state = pipe.state if pipe is not None and not pipe.closed else {}
             if state.get("abort"):
                 error = self._failed.get(peer) or errors.GroupBrokenError(
                     f"{what}: this rank's pipe to rank {them} broke earlier", **ctx)
@@ -412,10 +413,13 @@ class PairPipes:
         if status != core.OK:
             raise self._failure(status, src, what, exc, broke)
         with self._cv:
-            if target is None:
-                self._stash.append((src, tag, meta, into))  # type: ignore[arg-type]
-                self._cv.notify_all()
-                return
+            if target is None:  # a receive may have been posted while it was read
+                target = next((p for p in self._posted if not p.claimed and p.tag == tag
+                               and p.src in (src, None)), None)
+                if target is None:
+                    self._stash.append((src, tag, meta, into))  # type: ignore[arg-type]
+                    self._cv.notify_all()
+                    return
             self._posted = [p for p in self._posted if p is not target]
             self._deliver(target, src, meta, None if fits else into)
 
