@@ -10,7 +10,8 @@ ratio. Reported: the median of rank 0's round trip (send + recv) in microseconds
 ``x gloo`` = gloo's median / raycoll's (> 1: raycoll is faster).
 
 Usage: ``python benchmarks/p2p_latency.py [--world-size 2,4,8] [--sizes 4,1M,64M]
-[--iters 2000]``. The ranks are zero-CPU actors on one Ray node (this machine).
+[--iters 2000] [--layers]`` (``--layers``: a 4 B round trip of 2 ranks through the public
+functions, the group's pair pipes, and the native pipe alone). The ranks are zero-CPU actors on one Ray node (this machine).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 import socket
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import ray
@@ -70,9 +71,10 @@ def _round_trips(rank: int, world: int, port: int, sizes: List[int], iters: int,
         for nbytes in sizes:
             n = max(1, nbytes // 4)
             reps = iters if nbytes <= 1 << 16 else max(10, iters // (100 if nbytes > 1 << 22 else 20))
-            xs = {"raycoll": np.ones(n, np.float32), "gloo": torch.ones(n)}
-            ys = {"raycoll": np.zeros(n, np.float32), "gloo": torch.zeros(n)}
-            calls = {"raycoll": (raycoll.send, raycoll.recv, raycoll.barrier),
+            xs: Dict[str, Any] = {"raycoll": np.ones(n, np.float32), "gloo": torch.ones(n)}
+            ys: Dict[str, Any] = {"raycoll": np.zeros(n, np.float32), "gloo": torch.zeros(n)}
+            calls: Dict[str, Tuple[Callable[..., Any], ...]] = {
+                     "raycoll": (raycoll.send, raycoll.recv, raycoll.barrier),
                      "gloo": (dist.send, dist.recv, dist.barrier)}
             for pattern in ("back to back", "after a barrier"):
                 for lib in ("raycoll", "gloo"):
@@ -92,11 +94,90 @@ def _round_trips(rank: int, world: int, port: int, sizes: List[int], iters: int,
                     out.setdefault(f"{lib}|{pattern}", {})[nbytes] = times
         from raycoll.world import world as _world
 
-        mailbox = _world().default.context.mailbox()
+        mailbox = _world().default.context.mailbox()  # type: ignore[union-attr]
         out["path"] = type(mailbox).__name__
     finally:
         dist.destroy_process_group()
     return out if rank == 0 else {}
+
+
+def _layers(rank: int, iters: int) -> Dict[str, float]:
+    """In a rank of 2: a 4 B round trip's median (us) through the public functions, through
+    the group's pair pipes (:class:`raycoll.transport.pipes.PairPipes`: matching, no
+    argument checks) and through the native pipe alone (``Pipe.send`` / ``Pipe.recv``)."""
+    from raycoll.world import world as _world
+
+    x, y = np.ones(1, np.float32), np.zeros(1, np.float32)
+    peer = 1 - rank
+    box = _world().default.context.mailbox()  # type: ignore[union-attr]
+    meta = ("float32", (1,))
+
+    def public() -> None:
+        if rank == 0:
+            raycoll.send(x, peer)
+            raycoll.recv(y, peer)
+        else:
+            raycoll.recv(y, peer)
+            raycoll.send(x, peer)
+
+    def matched() -> None:
+        if rank == 0:
+            box.send(x, peer, 0, meta, 60.0)()
+            box.recv(y, peer, 0, meta, 60.0)()
+        else:
+            box.recv(y, peer, 0, meta, 60.0)()
+            box.send(x, peer, 0, meta, 60.0)()
+
+    out: Dict[str, float] = {}
+    for name, step in (("raycoll.send / raycoll.recv", public), ("PairPipes", matched)):
+        for _ in range(iters // 10):
+            step()
+        raycoll.barrier()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e6
+    pipe = box._pipe(peer)
+    code = b"float32|1"
+    wait = (int(200e3), int(10e6), int(100e6), int(1e9))
+    raycoll.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        if rank == 0:
+            pipe.send(x, 0, code, True, False, False, wait, None)
+            pipe.recv(y, 0, code, wait, None)
+        else:
+            pipe.recv(y, 0, code, wait, None)
+            pipe.send(x, 0, code, True, False, False, wait, None)
+        times.append(time.perf_counter() - t0)
+    out["native pipe alone"] = statistics.median(times) * 1e6
+    # CPU per call, robust to a loaded node: rank 0 sends n messages (each completes at once:
+    # they fit the ring), then rank 1 receives them (each already there): no waiting
+    n = 1000
+    for name, send, recv in (
+            ("raycoll.send / raycoll.recv", lambda: raycoll.send(x, peer),
+             lambda: raycoll.recv(y, peer)),
+            ("PairPipes", lambda: box.send(x, peer, 0, meta, 60.0)(),
+             lambda: box.recv(y, peer, 0, meta, 60.0)()),
+            ("native pipe alone", lambda: pipe.send(x, 0, code, False, False, False,
+                                                    (0, 0, 0, 0), None),
+             lambda: pipe.recv(y, 0, code, wait, None))):
+        raycoll.barrier()
+        c0 = time.thread_time()
+        for _ in range(n):
+            send() if rank == 0 else None
+        raycoll.barrier()
+        if rank == 1:
+            c0 = time.thread_time()
+            for _ in range(n):
+                recv()
+        out[f"CPU a {'send' if rank == 0 else 'recv'}: {name}"] = (
+            (time.thread_time() - c0) / n * 1e6)
+        raycoll.barrier()
+    return out
 
 
 def main() -> None:
@@ -104,6 +185,8 @@ def main() -> None:
     parser.add_argument("--world-size", default="2")
     parser.add_argument("--sizes", default="4,1M,64M")
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--layers", action="store_true",
+                        help="also time a 4 B round trip of 2 ranks layer by layer")
     args = parser.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
     worlds = [int(w) for w in args.world_size.split(",")]
@@ -125,6 +208,13 @@ def main() -> None:
                     theirs = statistics.median(got[f"gloo|{pattern}"][nbytes]) * 1e6
                     print(f"{world:>5} {_label(nbytes):>6} {pattern:>16} {ours:>11.1f} "
                           f"{theirs:>10.1f} {theirs / ours:>7.2f}", flush=True)
+        if args.layers:
+            both = pool.run(_layers, 2, args.iters, timeout=900)
+            print("# a 4 B round trip of 2 ranks, layer by layer (median us, rank 0), and "
+                  "the CPU of one call (us; send: rank 0, recv: rank 1, nothing waited for):")
+            for name, us in list(both[0].items()) + [
+                    kv for kv in both[1].items() if kv[0].startswith("CPU a recv")]:
+                print(f"#   {name}: {us:.1f}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ futex), with the GIL released; Python matches messages to receives.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -54,6 +55,7 @@ POLL_MAX_S = 1e-3
 Meta = Tuple[str, Tuple[int, ...]]
 
 
+@functools.lru_cache(maxsize=256)
 def encode_meta(meta: Meta) -> bytes:
     """A message's dtype and shape as the pipe carries them (compared whole by the
     receiver); a shape too long for the header travels as a hash."""
