@@ -33,9 +33,11 @@ libraries = ["rt"] if sys.platform.startswith("linux") else []
 core = Extension(
     "raycoll.native._core",
     sources=["raycoll/native/module.c", "raycoll/native/exec.c", "raycoll/native/segment.c",
-             "raycoll/native/net.c", "raycoll/native/reduce.c", "raycoll/native/cma.c"],
+             "raycoll/native/net.c", "raycoll/native/reduce.c", "raycoll/native/cma.c",
+             "raycoll/native/pipe.c", "raycoll/native/pipemodule.c"],
     depends=["raycoll/native/core.h", "raycoll/native/segment.h", "raycoll/native/net.h",
-             "raycoll/native/reduce.h", "raycoll/native/cma.h"],
+             "raycoll/native/reduce.h", "raycoll/native/cma.h",
+             "raycoll/native/pipe.h", "raycoll/native/binding.h"],
     extra_compile_args=flags,
     extra_link_args=link,
     libraries=libraries,

@@ -7,7 +7,11 @@ Python plans, native code moves bytes. :mod:`raycoll.native._core` (C, built by
   creates, maps, publishes, waits and runs a plan's operations with the GIL released);
 - the reductions (``reduce.c``): every dtype and ``ReduceOp`` raycoll has, with numpy's
   semantics;
-- the binding (``module.c``), which only parses arguments and takes buffers.
+- the pair pipes (``pipe.h`` states their layout and protocol; ``pipe.c``): point-to-point
+  messages between two ranks of a node in shared memory, large ones read across processes
+  (:mod:`raycoll.transport.pipes` matches them to receives);
+- the binding (``module.c``, ``pipemodule.c``), which only parses arguments and takes
+  buffers.
 
 Where the extension is absent (no compiler at install time) or turned off
 (``RAYCOLL_NATIVE=0``), raycoll runs its Python transports instead, with the same semantics

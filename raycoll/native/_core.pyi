@@ -1,4 +1,5 @@
-"""Types of raycoll's compiled core (raycoll/native/module.c): see segment.h and reduce.h."""
+"""Types of raycoll's compiled core (raycoll/native/module.c, pipemodule.c): see segment.h,
+pipe.h and reduce.h."""
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -67,6 +68,27 @@ class Segment:
     def half_offset(self, rank: int, parity: int) -> int: ...
     def probe_cma(self) -> bool: ...
     def __buffer__(self, flags: int) -> memoryview: ...
+
+PIPE_AGAIN: int
+PIPE_OTHER: int
+PIPE_META_BYTES: int
+
+#: (status, tag, nbytes, meta, broke, the check's exception or None)
+Received = Tuple[int, int, int, bytes, int, Optional[BaseException]]
+
+class Pipe:
+    state: Dict[str, Any]
+    closed: bool
+    spin_fails: int
+    def __init__(self, name: str, side: int, ring_bytes: int, wait_s: float) -> None: ...
+    def send(self, buf: Any, tag: int, meta: bytes, may_wait: bool, ack: bool, cma: bool,
+             wait: Wait, check: Check) -> Tuple[int, int, Optional[BaseException]]: ...
+    def peek(self, may_wait: bool, wait: Wait, check: Check) -> Received: ...
+    def take(self, buf: Any, reject: bool, wait: Wait,
+             check: Check) -> Tuple[int, int, Optional[BaseException]]: ...
+    def recv(self, buf: Any, tag: int, meta: bytes, wait: Wait, check: Check) -> Received: ...
+    def abort(self, reason: int = ...) -> None: ...
+    def close(self) -> None: ...
 
 def execute(seg: Optional[Segment], plan: Any, bufs: Sequence[Any], dtype: int, op: int,
             factor: float, divisor: int, call_seq: int, fp: bytes, wait: Wait, check: Check,

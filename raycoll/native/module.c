@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "binding.h"
 #include "cma.h"
 #include "core.h"
 #include "net.h"
@@ -20,7 +21,7 @@
 
 /* ---------------------------------------------------------------- buffers */
 /* A buffer of a call: writable when the object lends it so. */
-static int take_buffer(PyObject *obj, Py_buffer *view, int need_writable) {
+int take_buffer(PyObject *obj, Py_buffer *view, int need_writable) {
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) return 1;
     if (need_writable) return -1;
     PyErr_Clear();
@@ -200,12 +201,7 @@ static PyObject *py_set_soft_errors(PyObject *self, PyObject *arg) {
 }
 
 /* The check callback: called with the GIL released inside rc_exec. */
-typedef struct {
-    PyObject *fn;
-    PyThreadState *ts;
-} check_arg;
-
-static int call_check(void *arg, double waited_s, const int *pending, int npending) {
+int call_check(void *arg, double waited_s, const int *pending, int npending) {
     check_arg *c = (check_arg *)arg;
     PyEval_RestoreThread(c->ts);
     int failed = RC_CHECK_HARD;
@@ -225,8 +221,25 @@ static int call_check(void *arg, double waited_s, const int *pending, int npendi
     return failed;
 }
 
+PyObject *check_exception(int rc) {
+    PyObject *exc = Py_None;
+    if (rc == RC_CHECK && PyErr_Occurred()) { /* the callback's exception, handed back */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        exc = value != NULL ? value : Py_None;
+        if (value == NULL) Py_INCREF(exc);
+    } else {
+        Py_INCREF(exc);
+    }
+    return exc;
+}
+
 /* The waiting policy and the call's identity, from run()'s / reject()'s keywords. */
-static int parse_call(PyObject *wait, rc_call *call) {
+int parse_call(PyObject *wait, rc_call *call) {
     unsigned long long spin, tick, check, check_max;
     if (!PyArg_ParseTuple(wait, "KKKK", &spin, &tick, &check, &check_max)) return 0;
     call->wait.spin_ns = spin;
@@ -328,20 +341,7 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
                  bufs, (int)nbufs, &call, &peer);
     PyEval_RestoreThread(carg.ts);
     if (segobj != NULL) segobj->busy = 0;
-    PyObject *exc = Py_None;
-    if (rc == RC_CHECK && PyErr_Occurred()) { /* the callback's exception, handed back */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
-        exc = value != NULL ? value : Py_None;
-        if (value == NULL) Py_INCREF(exc);
-    } else {
-        Py_INCREF(exc);
-    }
-    result = Py_BuildValue("(iiiiN)", rc, peer, call.io_errno, call.broke, exc);
+    result = Py_BuildValue("(iiiiN)", rc, peer, call.io_errno, call.broke, check_exception(rc));
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
@@ -651,6 +651,10 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&SegmentType) < 0) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) return NULL;
+    if (add_pipe_type(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     SegmentError = PyErr_NewException("raycoll.native._core.SegmentError", PyExc_OSError, NULL);
     Py_INCREF(&SegmentType);
     if (SegmentError == NULL || PyModule_AddObject(m, "Segment", (PyObject *)&SegmentType) < 0 ||

@@ -228,10 +228,12 @@ static void publish(rc_seg *s, uint32_t step) {
     if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) wake_all(&mine->seq);
 }
 
-/* Whether rank r's process is gone: its pid no longer exists, or (Linux) it is a zombie
- * that its parent has not reaped yet (a killed process stays one until then). */
-static int gone(const rc_seg *s, int r) {
-    int32_t pid = s->ctl[r].pid;
+/* Whether rank r's process is gone (see rc_pid_gone). */
+static int gone(const rc_seg *s, int r) { return rc_pid_gone(s->ctl[r].pid); }
+
+/* Whether a process is gone: its pid no longer exists, or (Linux) it is a zombie that its
+ * parent has not reaped yet (a killed process stays one until then). */
+int rc_pid_gone(int32_t pid) {
     if (pid <= 0) return 0;
     if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
 #ifdef __linux__

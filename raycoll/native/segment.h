@@ -159,6 +159,9 @@ int rc_seg_probe_cma(rc_seg *s);
 /* A cross-memory read, during a call, of local rank r's published buffer idx, [off, +n), into
  * dst: RC_OK, RC_DEAD, RC_BADPLAN (past what it published) or RC_IOERR. */
 int rc_seg_cma_read(rc_seg *s, int r, int idx, uint64_t off, uint64_t n, uint8_t *dst);
+/* Whether process pid is gone: it no longer exists, or (Linux) it is a zombie its parent has
+ * not reaped yet; 0 for pid <= 0 (not known yet). */
+int rc_pid_gone(int32_t pid);
 /* The bytes of rank r's half p. */
 uint8_t *rc_seg_half(const rc_seg *s, int r, int p);
 

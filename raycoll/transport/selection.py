@@ -17,15 +17,25 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from raycoll.native import core
 from raycoll.transport import lane, segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
+from raycoll.transport.pipes import PairPipes
 from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
                                    tcp_possible)
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["GroupTransports"]
+__all__ = ["GroupTransports", "pipes_possible"]
+
+
+def pipes_possible(ctx: "GroupContext") -> bool:
+    """Whether group ``ctx``'s point-to-point runs on the native core's pair pipes: the core
+    is built and on (on every rank), 2+ ranks, all on this node, not ``transport="store"``,
+    and the group has a secret (the pipes' names carry it)."""
+    return (core is not None and ctx.native and ctx.size > 1 and ctx.single_node
+            and ctx.transport != "store" and ctx.secret is not None)
 
 
 class GroupTransports:
@@ -37,7 +47,7 @@ class GroupTransports:
         self.ctx = ctx
         #: the group's direct connections, or ``None`` when it has none
         self.links: Optional[Links] = None
-        self._mailbox: Optional[Mailbox] = None
+        self._mailbox: Optional[Union[Mailbox, PairPipes]] = None
         self._planned: Optional[str] = None
         if ctx.transport != "store" and ctx.size > 1:
             if ctx.secret is not None and tcp_possible(ctx):
@@ -93,12 +103,19 @@ class GroupTransports:
         peers = {j: c for j, (c, _) in enumerate(got) if j != ctx.rank}
         return lane.LaneTransport(ctx, mine, peers, epoch=got[0][1])
 
-    def mailbox(self) -> Optional[Mailbox]:
-        """The group's point-to-point mailbox on its direct connections, or ``None`` when it
-        has none (then point-to-point goes through the coordinator)."""
-        if self.links is None:
-            return None
-        if self._mailbox is None:
+    def mailbox(self) -> Optional[Union[Mailbox, PairPipes]]:
+        """The group's point-to-point mailbox: the native core's pair pipes where every rank
+        is on this node and runs the core (:mod:`raycoll.transport.pipes`), else the one on
+        its direct connections, or ``None`` when it has neither (then point-to-point goes
+        through the coordinator)."""
+        if self._mailbox is None and pipes_possible(self.ctx):
+            ctx = self.ctx
+            assert ctx.secret is not None  # (pipes_possible)
+            self._mailbox = PairPipes(group=ctx.group_name, rank=ctx.rank,
+                                      global_ranks=ctx.global_ranks, secret=ctx.secret,
+                                      check=ctx.p2p_check, explain=self._p2p_explain,
+                                      crowded=lane.oversubscribed(ctx.size))
+        if self._mailbox is None and self.links is not None:
             ctx = self.ctx
             self._mailbox = Mailbox(self.links, group=ctx.group_name,
                                     global_ranks=ctx.global_ranks, check=ctx.p2p_check,
