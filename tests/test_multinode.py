@@ -2,8 +2,9 @@
 collective over direct connections, a rank killed mid-stream named within seconds (a rank on
 the other node, or a node-mate), the two-level all_reduce's bytes between nodes, 3 + 1 ranks
 with every algorithm against numpy and each rank's counts equal to the schedule's (every
-step on the native executor: no setup step); a Ray Direct Transport object (raycoll.rdt)
-crossing the nodes over the producer's pull server."""
+step on the native executor: no setup step), an elastic group (a rank SIGKILLed, the
+survivors on both nodes shrink, a replacement grows the group back); a Ray Direct Transport
+object (raycoll.rdt) crossing the nodes over the producer's pull server."""
 
 from __future__ import annotations
 
@@ -255,6 +256,85 @@ def test_every_collective_on_three_and_one_ranks_matches_numpy(two_nodes):
                     assert bad == [], (rank, n, forced, bad)
     finally:
         for a in actors:
+            ray.kill(a)
+
+
+def _pid_of(rank):
+    import os
+
+    return os.getpid()
+
+
+def _reduce_until_failure(rank, marker):
+    """all_reduces until one fails (RankFailedError expected); the first one done writes
+    ``marker.<rank>``."""
+    done = 0
+    while True:
+        x = np.full(8192, rank + 1.0)
+        try:
+            raycoll.all_reduce(x)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"done": done, "type": type(exc).__name__,
+                    "failed": list(getattr(exc, "failed_ranks", ()))}
+        done += 1
+        if done == 1:
+            open(f"{marker}.{rank}", "w").close()
+
+
+def _elastic_reduce(rank, excluded, admit):
+    """Shrink out ``excluded`` (or, with ``admit``, let the grow's newcomers in; or neither:
+    a newcomer), then one all_reduce of ``rank + 1``."""
+    if excluded:
+        raycoll.shrink_group(excluded)
+    if admit:
+        raycoll.admit_new_ranks(timeout=60)
+    x = np.full(1000, raycoll.get_rank() + 1.0)
+    raycoll.all_reduce(x)
+    return (raycoll.get_rank(), raycoll.get_world_size(), float(x[0]), bool((x == x[0]).all()))
+
+
+@pytest.mark.timeout(300)
+def test_elastic_across_nodes_a_killed_rank_shrinks_out_and_a_replacement_grows_in(two_nodes,
+                                                                                    tmp_path):
+    """2 + 2 ranks on two Ray nodes; rank 3's process (node 1) SIGKILLed mid-stream: the
+    survivors, on both nodes, fail naming it, shrink to 3 ranks and reduce right; a
+    replacement on node 1 grows the group back to 4, every rank's result checked."""
+    import os
+    import signal
+
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{r // 2}": 1}).remote()
+              for r in range(4)]
+    newcomer = worker.options(num_cpus=0, resources={"node1": 1}).remote()
+    name = "elastic-two-nodes"
+    raycoll.create_group(actors, group_name=name, timeout=60)
+    try:
+        pids = ray.get([a.run.remote(_pid_of, r, (), {}) for r, a in enumerate(actors)],
+                       timeout=60)
+        marker = str(tmp_path / "first")
+        refs = [a.run.remote(_reduce_until_failure, r, (marker,), {})
+                for r, a in enumerate(actors)]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)):
+            assert time.monotonic() < deadline, "the stream of all_reduces never started"
+            time.sleep(0.01)
+        os.kill(pids[3], signal.SIGKILL)
+        for out in ray.get(refs[:3], timeout=60):
+            assert out["type"] == "RankFailedError" and out["failed"] == [3], out
+        shrunk = ray.get([actors[r].run.remote(_elastic_reduce, r, ([3], False), {})
+                          for r in range(3)], timeout=60)
+        assert shrunk == [(r, 3, 6.0, True) for r in range(3)], shrunk
+        refs = [actors[r].run.remote(_elastic_reduce, r, ([], True), {}) for r in range(3)]
+        raycoll.grow_group(name, [newcomer], timeout=60)
+        refs.append(newcomer.run.remote(_elastic_reduce, 3, ([], False), {}))
+        grown = ray.get(refs, timeout=60)
+        assert grown == [(r, 4, 10.0, True) for r in range(4)], grown
+    finally:
+        try:
+            raycoll.destroy_group(name)
+        except Exception:  # noqa: BLE001 - the test may have failed half way
+            pass
+        for a in actors + [newcomer]:
             ray.kill(a)
 
 
