@@ -203,20 +203,43 @@ def ray_head_node(num_cpus=2):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+#: What `ray job submit` says when the dashboard's job agent is not up yet.
+NO_AGENT = "No available agent to submit job"
+#: Resubmit after that only while this much of the job's time is left.
+AGENT_RETRY_MIN_S = 60
+
+
+def _submit(head, args, entrypoint, timeout):
+    """(the CLI's completed process, None), or (None, its TimeoutExpired)."""
+    try:
+        return head.cli(*args, "--", *entrypoint, timeout=max(timeout, 1)), None
+    except subprocess.TimeoutExpired as e:
+        return None, e
+
+
 def submit_and_wait(head, working_dir, entrypoint, excludes=(), timeout=JOB_TIMEOUT_S):
     """`ray job submit` (it uploads working_dir, waits and streams the logs).
 
     Returns (job status, job logs, the CLI's output); the status and logs come from the
     job server's REST API, not from the CLI's output.
     """
-    sub_id = f"raycoll-test-{uuid.uuid4().hex[:8]}"
-    args = ["job", "submit", "--address", head.dashboard_url, "--submission-id", sub_id,
-            "--working-dir", str(working_dir)]
-    if excludes:
-        args += ["--runtime-env-json", json.dumps({"excludes": list(excludes)})]
-    try:
-        submit = head.cli(*args, "--", *entrypoint, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
+    deadline = time.monotonic() + timeout
+    while True:
+        sub_id = f"raycoll-test-{uuid.uuid4().hex[:8]}"
+        args = ["job", "submit", "--address", head.dashboard_url, "--submission-id", sub_id,
+                "--working-dir", str(working_dir)]
+        if excludes:
+            args += ["--runtime-env-json", json.dumps({"excludes": list(excludes)})]
+        submit, timed_out = _submit(head, args, entrypoint, deadline - time.monotonic())
+        out = submit.stdout + submit.stderr if submit is not None else ""
+        # the dashboard answers before its job agent is up (seen on 2 loaded CPUs): the
+        # submission is refused at once, and a later one is taken
+        if NO_AGENT in out and deadline - time.monotonic() > AGENT_RETRY_MIN_S:
+            time.sleep(2.0)
+            continue
+        break
+    if timed_out is not None:
+        e = timed_out
         with contextlib.suppress(Exception):
             head.cli("job", "stop", "--address", head.dashboard_url, "--no-wait", sub_id)
         logs = ""
@@ -225,7 +248,6 @@ def submit_and_wait(head, working_dir, entrypoint, excludes=(), timeout=JOB_TIME
         said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
         pytest.fail(f"job {sub_id} did not finish within {timeout}s\n{said}\n"
                     f"--- job logs ---\n{logs}")
-    out = submit.stdout + submit.stderr
     try:
         status = head.api(f"/api/jobs/{sub_id}")["status"]
     except Exception as e:
