@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any, Dict, Optional
 
 import ray
 
 from raycoll import errors
 from raycoll.coordinator.join_state import JoinMixin
-from raycoll.coordinator.liveness import LivenessMixin
+from raycoll.coordinator.client import unpack_handle
+from raycoll.coordinator.liveness import REPROBE_S, LivenessMixin
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.mailbox import MailboxMixin
 from raycoll.coordinator.state import CoordinatorState
@@ -49,19 +51,17 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             )
         if not 0 <= rank < world_size:
             return err("value", f"rank={rank} is out of range for world_size={world_size}")
-        if self._formed.is_set() and rank in self._left:
-            # This rank left and comes back: wait until every rank has left, then re-form.
-            try:
-                await asyncio.wait_for(self._reset.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return err("timeout", f"rank {rank} re-joined group {self._group_name!r} but the "
-                            f"previous generation never fully left within {timeout_s}s")
-        if rank in self._members:
-            holder = self._members[rank].get("actor_id") or "a non-actor process"
-            state = "formed" if self._formed.is_set() else "forming"
-            return err("value", f"rank {rank} joined group {self._group_name!r} ({state}) twice: "
-                        f"it is held by another process (actor {holder}); two processes called "
-                        "with the same rank, or this process was not made part of the group")
+        while rank in self._members or (self._formed.is_set() and rank in self._left):
+            if rank in self._members and not (self._formed.is_set() and rank in self._left):
+                refused = await self._make_way(rank, info)
+                if refused is not None:
+                    return refused
+            if self._formed.is_set():
+                # This rank left (or another process holds it) and comes back: wait until
+                # every rank of the previous generation has left or died, then form again.
+                waited = await self._await_reset(rank, timeout_s)
+                if waited is not None:
+                    return waited
         self._members[rank] = info
         if len(self._members) == self._world_size:
             # every rank's answer: built once, not once per rank (O(W), not O(W^2))
@@ -83,11 +83,76 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             "secret": self._secret,
         })
 
+    async def _make_way(self, rank: int, info: Dict[str, Any]) -> Optional[Result]:
+        """``rank`` is held by a member and is asked for again: by the same process
+        re-initialising its rank (its old membership ends here), or by another process
+        (Ray's semantics: a group formed again under a name takes over the names of the
+        ranks that departed). The holder of a formed group leaves when its process is gone
+        (:meth:`_await_reset` probes it); the holder of a group still forming is replaced
+        only if it is dead already. None: go on; else the refusal."""
+        holder = self._members[rank]
+        same = bool(info.get("actor_id")) and holder.get("actor_id") == info.get("actor_id")
+        if self._formed.is_set():
+            if same:
+                self.leave(rank)  # its earlier membership ends: it re-joins
+            return None
+        if not same and await self._dead_now(rank):
+            self._members.pop(rank, None)
+            return None
+        who = holder.get("actor_id") or "a non-actor process"
+        return err("value", f"rank {rank} joined group {self._group_name!r} (forming) twice: "
+                   f"it is held by another live process (actor {who}); two processes called "
+                   "with the same rank, or this process was not made part of the group")
+
+    async def _await_reset(self, rank: int, timeout_s: float) -> Optional[Result]:
+        """Wait (up to ``timeout_s``) until every rank of the formed generation has left, the
+        ranks still holding it probed meanwhile so that a departed process counts as left
+        at once (Ray reports an actor that went out of scope, or was killed, as dead)."""
+        reset, deadline = self._reset, asyncio.get_running_loop().time() + timeout_s
+        self._joiners += 1
+        try:
+            while not reset.is_set():
+                holders = [g for g in self._members if g not in self._left]
+                now = asyncio.get_running_loop().time()
+                for g in holders:
+                    self._probe_if_due(g, time.monotonic())
+                if now >= deadline:
+                    return err("timeout", f"rank {rank} re-joined group {self._group_name!r} but "
+                               f"ranks {fmt_ranks(sorted(holders))} of its previous generation, "
+                               f"alive, never left within {timeout_s:g}s (destroy the group in "
+                               "them, or end their processes)", missing=sorted(holders))
+                try:
+                    await asyncio.wait_for(reset.wait(), min(REPROBE_S, deadline - now))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._joiners -= 1
+        return None
+
+    async def _dead_now(self, rank: int) -> bool:
+        """Whether the process holding ``rank`` is gone, as Ray knows now (an actor's probe
+        fails at once when Ray has it dead; a live one, maybe busy, is given a second)."""
+        member = self._members.get(rank) or {}
+        actor = member.get("actor")
+        if actor is None:
+            return False
+        try:
+            if isinstance(actor, bytes):
+                actor = member["actor"] = await asyncio.get_running_loop().run_in_executor(
+                    None, unpack_handle, actor)
+            await asyncio.wait_for(actor.__ray_ready__.remote(), _DEAD_NOW_S)
+        except ray.exceptions.RayActorError as exc:
+            return not isinstance(exc, ray.exceptions.ActorUnavailableError)
+        except Exception:  # noqa: BLE001 - busy or unreachable: not known dead
+            return False
+        return False
+
     def leave(self, rank: int) -> Result:
         """``rank`` destroyed its handle on the group; once all have, the group may re-form.
 
         Returns ``{"all_left": bool}``: the last rank to leave a by-name group stops this
-        coordinator (a new one is started by the next rendezvous).
+        coordinator (a new one is started by the next rendezvous); False while a rank of the
+        next generation waits here to join (:meth:`_await_reset`).
         """
         self._left.add(rank)
         self._liveness_left(rank)
@@ -112,7 +177,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._kv_events.clear()
             self._store_reset()  # a store outlives no group
             self._reset.set()
-        return ok({"all_left": all_left})
+        return ok({"all_left": all_left and not self._joiners})
 
     def recycle(self) -> Result:
         """Serve no group any more, to be handed to the next group formed from the driver
@@ -123,7 +188,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         never serves another group."""
         busy = (self._steps or self._dead or self._broken or self._store_waiters
                 or any(self._waiting.values()) or any(not t.done() for t in self._probes.values())
-                or self._owned_by_ranks)
+                or self._owned_by_ranks or self._joiners)
         if busy:
             return ok({"recycled": False})
         generation = self._generation + 1
@@ -140,7 +205,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
 
     def _self_destruct_if_orphaned(self) -> None:
         """A by-name coordinator whose ranks all died stops itself (nobody else will)."""
-        if self._owned_by_ranks and not self._members:
+        if self._owned_by_ranks and not self._members and not self._joiners:
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ key-value store
@@ -236,6 +301,8 @@ def start_coordinator(group_name: str, world_size: int, actor_name: str,
 
 
 _START_ATTEMPTS = 5
+#: How long a rendezvous waits on a probe of a forming group's holder of its rank.
+_DEAD_NOW_S = 1.0
 _START_TIMEOUT_S = 60.0
 
 
