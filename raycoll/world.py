@@ -199,7 +199,6 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     where = listener()  # this rank's direct-connection address, if it can listen
     info = client.rendezvous(rank, spec.world_size, rank_info(where.address if where else None),
                              spec.timeout_s)
-    client.hold_lease(rank, int(info.get("generation", 0)))
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     members = [dict(m, actor=unpack_handle(m.get("actor"))) for m in info["members"]]
     root = _Root(spec.name, client, members, spec.options, info.get("secret"), spec.by_name)

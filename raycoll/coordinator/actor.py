@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 
@@ -36,11 +36,23 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
 
     # ------------------------------------------------------------------ rendezvous
     async def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any], timeout_s: float,
-                         group_name: str = "") -> Result:
+                         group_name: str = "", lease: Optional[List[Any]] = None,
+                         token: str = "") -> Result:
         """Register ``rank``; return every rank's info once all ``world_size`` have arrived.
 
         A coordinator started ahead (:mod:`.spare`) serves no group yet: the first rank to
-        arrive makes it group ``group_name``'s, of ``world_size`` ranks, for good."""
+        arrive makes it group ``group_name``'s, of ``world_size`` ranks, for good. ``lease``
+        (a list holding the reference of the rank's ``lease(rank, -1, token)`` call, taken
+        just before): the rank's lease once the group forms, with no ``watch`` call after."""
+        result = await self._rendezvous(rank, world_size, info, timeout_s, group_name,
+                                        (token, lease[0]) if lease and token else None)
+        if result[0] != "ok":
+            self._end_token_lease(token)
+        return result
+
+    async def _rendezvous(self, rank: int, world_size: int, info: Dict[str, Any],
+                          timeout_s: float, group_name: str,
+                          lease: Optional[Tuple[str, Any]]) -> Result:
         if not self._group_name:
             self._group_name, self._world_size = group_name, world_size
         if world_size != self._world_size:
@@ -63,6 +75,8 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
                 if waited is not None:
                     return waited
         self._members[rank] = info
+        if lease is not None:
+            self._pending_leases[rank] = lease
         if len(self._members) == self._world_size:
             # every rank's answer: built once, not once per rank (O(W), not O(W^2))
             self._roster = [dict(self._members[r], rank=r) for r in range(self._world_size)]
@@ -70,11 +84,15 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._formed.set()
             self._reset = asyncio.Event()
             self._left = set()
+            for r, (token, ref) in self._pending_leases.items():
+                self._adopt_lease(r, self._generation, token, ref)
+            self._pending_leases.clear()
         try:
             await asyncio.wait_for(self._formed.wait(), timeout_s)
         except asyncio.TimeoutError:
             missing = sorted(set(range(self._world_size)) - set(self._members))
             self._members.pop(rank, None)
+            self._pending_leases.pop(rank, None)
             return err("timeout", f"rendezvous of group {self._group_name!r} timed out after "
                         f"{timeout_s:g}s: ranks {fmt_ranks(missing)} never joined", missing=missing)
         return ok({
@@ -98,6 +116,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             return None
         if not same and await self._dead_now(rank):
             self._members.pop(rank, None)
+            self._end_token_lease(self._pending_leases.pop(rank, ("", None))[0])
             return None
         who = holder.get("actor_id") or "a non-actor process"
         return err("value", f"rank {rank} joined group {self._group_name!r} (forming) twice: "
@@ -199,6 +218,9 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         for timer in (self._death_report,):
             if timer is not None:
                 timer.cancel()
+        for future in self._token_leases.values():  # none should be left: end them all
+            if not future.done():
+                future.set_result(None)
         CoordinatorState.__init__(self, "", 0)
         self._generation = generation
         return ok({"recycled": True})
@@ -258,6 +280,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             "receivers": sum(len(q) for q in self._waiting.values()),
             "kv": len(self._kv), "store": table_sizes(self._store), "leases": len(self._leases),
             "lease_watchers": len(self._lease_watchers), "waits": len(self._waits),
+            "token_leases": len(self._token_leases),
             "probes": sum(1 for t in self._probes.values() if not t.done()),
             "probes_sent": self._probes_sent,
         })
