@@ -10,6 +10,7 @@ live process holds it."""
 from __future__ import annotations
 
 import importlib
+import time
 from datetime import timedelta
 import uuid
 from typing import Any, List, Sequence
@@ -117,4 +118,38 @@ def test_a_rank_of_a_forming_group_held_by_a_live_process_is_still_refused(ray_l
     with pytest.raises(ray.exceptions.RayTaskError, match=r"ranks \[1, 2\] never joined"):
         ray.get(waiting[0], timeout=60)  # the first holds rank 0 until its own timeout
     for actor in pair:
+        ray.kill(actor, no_restart=True)
+
+
+def _coordinator_id(name: str) -> Any:
+    """The Ray actor id of the by-name coordinator of group ``name`` (None: there is none)."""
+    from raycoll.coordinator.logic import coordinator_name
+
+    try:
+        actor = ray.get_actor(coordinator_name(ray.get_runtime_context().get_job_id(), name))
+    except ValueError:
+        return None
+    return actor._actor_id
+
+
+@pytest.mark.timeout(180)
+def test_a_name_formed_again_in_actors_reuses_its_coordinator_then_it_stops(ray_local):
+    from raycoll.coordinator.actor import LINGER_S
+
+    name = f"linger-{uuid.uuid4().hex[:6]}"
+    team = [Member.remote() for _ in range(3)]
+    assert ray.get(_form(team[:2], "raycoll", "objstore", name), timeout=120) == _sum(2)
+    first = _coordinator_id(name)
+    assert first is not None
+    ray.get([a.destroy.remote("raycoll", name) for a in team[:2]], timeout=60)
+    # formed again at once, with another world size: the same coordinator serves it
+    assert ray.get(_form(team, "raycoll", "objstore", name), timeout=120) == _sum(3)
+    assert _coordinator_id(name) == first
+    ray.get([a.destroy.remote("raycoll", name) for a in team], timeout=60)
+    # idle, it stops itself LINGER_S after its ranks left (it is detached: nothing else would)
+    deadline = time.monotonic() + LINGER_S + 45
+    while _coordinator_id(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _coordinator_id(name) is None
+    for actor in team:
         ray.kill(actor, no_restart=True)

@@ -54,26 +54,36 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
                           timeout_s: float, group_name: str,
                           lease: Optional[Tuple[str, Any]]) -> Result:
         if not self._group_name:
-            self._group_name, self._world_size = group_name, world_size
-        if world_size != self._world_size:
-            return err(
-                "value",
-                f"group {self._group_name!r} has world_size={self._world_size}, "
-                f"but rank {rank} called with world_size={world_size}",
-            )
+            self._group_name = group_name
+        if not self._world_size:  # a spare's first rank, or a lingering one's (by name)
+            self._world_size = world_size
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if world_size != self._world_size and not self._formed.is_set():
+            return self._size_refused(rank, world_size)
         if not 0 <= rank < world_size:
             return err("value", f"rank={rank} is out of range for world_size={world_size}")
-        while rank in self._members or (self._formed.is_set() and rank in self._left):
+        while True:
             if rank in self._members and not (self._formed.is_set() and rank in self._left):
                 refused = await self._make_way(rank, info)
                 if refused is not None:
                     return refused
-            if self._formed.is_set():
-                # This rank left (or another process holds it) and comes back: wait until
-                # every rank of the previous generation has left or died, then form again.
+            if self._formed.is_set() and (rank in self._left or rank in self._members
+                                          or world_size != self._world_size):
+                # This rank left (or another process holds it, or the group is formed again
+                # at another size): wait until every rank of the formed generation has left
+                # or died, then form the group again.
                 waited = await self._await_reset(rank, timeout_s)
                 if waited is not None:
                     return waited
+                continue
+            if rank not in self._members:
+                break
+        if not self._world_size:  # every rank of the generation it waited for left
+            self._world_size = world_size
+        if world_size != self._world_size:
+            return self._size_refused(rank, world_size)
         self._members[rank] = info
         if lease is not None:
             self._pending_leases[rank] = lease
@@ -93,6 +103,9 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             missing = sorted(set(range(self._world_size)) - set(self._members))
             self._members.pop(rank, None)
             self._pending_leases.pop(rank, None)
+            if self._owned_by_ranks and not self._members and not self._formed.is_set():
+                self._world_size = 0
+                self._linger()  # nobody came: wait for the name again, then stop
             return err("timeout", f"rendezvous of group {self._group_name!r} timed out after "
                         f"{timeout_s:g}s: ranks {fmt_ranks(missing)} never joined", missing=missing)
         return ok({
@@ -100,6 +113,10 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             "generation": self._generation,
             "secret": self._secret,
         })
+
+    def _size_refused(self, rank: int, world_size: int) -> Result:
+        return err("value", f"group {self._group_name!r} has world_size={self._world_size}, "
+                   f"but rank {rank} called with world_size={world_size}")
 
     async def _make_way(self, rank: int, info: Dict[str, Any]) -> Optional[Result]:
         """``rank`` is held by a member and is asked for again: by the same process
@@ -169,9 +186,9 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
     def leave(self, rank: int) -> Result:
         """``rank`` destroyed its handle on the group; once all have, the group may re-form.
 
-        Returns ``{"all_left": bool}``: the last rank to leave a by-name group stops this
-        coordinator (a new one is started by the next rendezvous); False while a rank of the
-        next generation waits here to join (:meth:`_await_reset`).
+        Returns ``{"all_left": bool}`` (False while a rank of the next generation waits
+        here to join, :meth:`_await_reset`). A by-name coordinator whose ranks all left
+        lingers for the name's next formation (:meth:`_linger`), then stops itself.
         """
         self._left.add(rank)
         self._liveness_left(rank)
@@ -196,6 +213,9 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._kv_events.clear()
             self._store_reset()  # a store outlives no group
             self._reset.set()
+            if self._owned_by_ranks:  # next generation: any world size, its first rank's
+                self._world_size = 0
+                self._linger()
         return ok({"all_left": all_left and not self._joiners})
 
     def recycle(self) -> Result:
@@ -224,6 +244,22 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         CoordinatorState.__init__(self, "", 0)
         self._generation = generation
         return ok({"recycled": True})
+
+    def _linger(self) -> None:
+        """A by-name coordinator whose ranks all left waits ``LINGER_S``, idle, for the same
+        name to be formed again (a test suite's or notebook's next group, Ray's module's
+        next ``init_collective_group``): that formation then starts no process. Stopped
+        after that, unless a rank arrived (detached, it would outlive the job otherwise)."""
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        generation = self._generation
+        self._linger_timer = asyncio.get_running_loop().call_later(
+            LINGER_S, self._stop_if_idle, generation)
+
+    def _stop_if_idle(self, generation: int) -> None:
+        self._linger_timer = None
+        if generation == self._generation and not self._members and not self._joiners:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def _self_destruct_if_orphaned(self) -> None:
         """A by-name coordinator whose ranks all died stops itself (nobody else will)."""
@@ -324,6 +360,8 @@ def start_coordinator(group_name: str, world_size: int, actor_name: str,
 
 
 _START_ATTEMPTS = 5
+#: How long a by-name coordinator whose ranks all left waits for its name to form again.
+LINGER_S = 15.0
 #: How long a rendezvous waits on a probe of a forming group's holder of its rank.
 _DEAD_NOW_S = 1.0
 _START_TIMEOUT_S = 60.0

@@ -82,6 +82,7 @@ class CoordinatorState:
         self._left: Set[int] = set()
         self._reset = asyncio.Event()
         self._joiners = 0  # ranks of the next generation waiting for this one to leave
+        self._linger_timer: Optional[asyncio.TimerHandle] = None  # a by-name one's, idle
         # key-value store
         self._kv: Dict[str, Any] = {}
         self._kv_events: Dict[str, asyncio.Event] = defaultdict(asyncio.Event)
