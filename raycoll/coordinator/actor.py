@@ -60,7 +60,8 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
-        if world_size != self._world_size and not self._formed.is_set():
+        by_name = self._owned_by_ranks  # a name ranks formed: Ray's semantics, taken over
+        if world_size != self._world_size and not (by_name and self._formed.is_set()):
             return self._size_refused(rank, world_size)
         if not 0 <= rank < world_size:
             return err("value", f"rank={rank} is out of range for world_size={world_size}")
@@ -69,8 +70,8 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
                 refused = await self._make_way(rank, info)
                 if refused is not None:
                     return refused
-            if self._formed.is_set() and (rank in self._left or rank in self._members
-                                          or world_size != self._world_size):
+            if self._formed.is_set() and (rank in self._left or by_name and (
+                    rank in self._members or world_size != self._world_size)):
                 # This rank left (or another process holds it, or the group is formed again
                 # at another size): wait until every rank of the formed generation has left
                 # or died, then form the group again.
@@ -119,13 +120,20 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
                    f"but rank {rank} called with world_size={world_size}")
 
     async def _make_way(self, rank: int, info: Dict[str, Any]) -> Optional[Result]:
-        """``rank`` is held by a member and is asked for again: by the same process
-        re-initialising its rank (its old membership ends here), or by another process
-        (Ray's semantics: a group formed again under a name takes over the names of the
-        ranks that departed). The holder of a formed group leaves when its process is gone
+        """``rank`` is held by a member and is asked for again, in a group formed by name:
+        by the same process re-initialising its rank (its old membership ends here), or by
+        another process (Ray's semantics: a group formed again under a name takes over the
+        names of the ranks that departed). A group formed from a driver refuses: its ranks
+        are the ones the driver named. The holder of a formed group leaves when its process is gone
         (:meth:`_await_reset` probes it); the holder of a group still forming is replaced
         only if it is dead already. None: go on; else the refusal."""
         holder = self._members[rank]
+        who = holder.get("actor_id") or "a non-actor process"
+        if not self._owned_by_ranks:  # formed from a driver: its ranks are the driver's
+            state = "formed" if self._formed.is_set() else "forming"
+            return err("value", f"rank {rank} joined group {self._group_name!r} ({state}) twice: "
+                       f"it is held by another process (actor {who}); two processes called "
+                       "with the same rank, or this process was not made part of the group")
         same = bool(info.get("actor_id")) and holder.get("actor_id") == info.get("actor_id")
         if self._formed.is_set():
             if same:
@@ -135,7 +143,6 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
             self._members.pop(rank, None)
             self._end_token_lease(self._pending_leases.pop(rank, ("", None))[0])
             return None
-        who = holder.get("actor_id") or "a non-actor process"
         return err("value", f"rank {rank} joined group {self._group_name!r} (forming) twice: "
                    f"it is held by another live process (actor {who}); two processes called "
                    "with the same rank, or this process was not made part of the group")
