@@ -12,6 +12,10 @@ imported) before anything is timed; times from the driver (``time.perf_counter``
   ``create_group`` + ``destroy_group``; gloo's ``init_process_group`` (rank 0 hosts the
   TCPStore) + ``destroy_process_group`` in the same actors. The form and the destroy are
   timed apart.
+- *by name*: the same 2 ranks form one group name by name inside themselves
+  (``init_process_group`` then ``destroy_process_group``, as Ray's module's
+  ``init_collective_group`` with ``backend="raycoll"`` does), ``--rounds`` rounds in a row,
+  timed from the driver; against gloo's init + destroy.
 - *bulk*: ``--bulk`` root groups, each over the same ``--bulk`` actors (threaded actors:
   each takes part in every group's rendezvous at once), formed at once from as many driver
   threads; against one group over those actors formed alone. Cold: the process has one
@@ -67,6 +71,20 @@ class Rank(RankWorker):
 
 def _imports(rank: int) -> None:
     import torch  # noqa: F401
+
+
+def _by_name(rank: int, name: str) -> None:
+    """Inside a rank: form ``name`` by name (``init_process_group``) and destroy it."""
+    raycoll.init_process_group(world_size=2, rank=rank, group_name=name,
+                               timeout=timedelta(seconds=60))
+    raycoll.destroy_process_group(name)
+
+
+def _raycoll_by_name(actors: List[Any], name: str) -> Dict[str, float]:
+    start = time.perf_counter()
+    ray.get([a.run.remote(_by_name, r, (name,), {}) for r, a in enumerate(actors)],
+            timeout=120)
+    return {"form": time.perf_counter() - start, "destroy": 0.0}
 
 
 def _gloo(actors: List[Any], groups: int = 0) -> Dict[str, float]:
@@ -144,6 +162,21 @@ def main() -> None:
         statistics.median(r["form"] for r in b2b["raycoll"])
     print(f"  form, gloo / raycoll: {ratio:.2f}x; raycoll every round (ms): "
           f"{[round(r['form'] * 1e3, 1) for r in b2b['raycoll']]}")
+    by_name: Dict[str, List[float]] = {"raycoll": [], "gloo": []}
+    name = f"named-{uuid.uuid4().hex[:6]}"  # one name, formed again and again (Ray's tests)
+    for repeat in range(args.repeats):
+        for kind in (("raycoll", "gloo") if repeat % 2 == 0 else ("gloo", "raycoll")):
+            for _ in range(args.rounds):
+                if kind == "raycoll":
+                    by_name[kind].append(_raycoll_by_name(pair, name)["form"])
+                else:
+                    took = _gloo(pair)
+                    by_name[kind].append(took["form"] + took["destroy"])
+    print(f"by name inside the ranks (init_process_group + destroy_process_group of one name "
+          f"in a row), {args.repeats} x {args.rounds} rounds, medians (ms): raycoll "
+          f"{_ms(by_name['raycoll'])}, gloo init+destroy {_ms(by_name['gloo'])}: gloo / raycoll "
+          f"{statistics.median(by_name['gloo']) / statistics.median(by_name['raycoll']):.2f}x; "
+          f"raycoll every round: {[round(t * 1e3, 1) for t in by_name['raycoll']]}")
     for actor in pair:
         ray.kill(actor)
 

@@ -194,10 +194,8 @@ def _leave(pg: ProcessGroup) -> None:
     if "/" in pg.name:
         return
     client = pg.client
-    try:
-        result = client.leave(pg.rank())
-        if pg.by_name and result and result.get("all_left"):
-            ray.kill(client.handle, no_restart=True)
+    try:  # a by-name group's coordinator, once every rank left, lingers then stops itself
+        client.leave(pg.rank())
     except Exception as exc:  # noqa: BLE001 - Ray refused the handle: nothing left to leave
         # a RaycollError (the coordinator is gone), or Ray's own when the coordinator's
         # handle is not valid any more

@@ -200,19 +200,22 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     where = listener()  # this rank's direct-connection address, if it can listen
     info = client.rendezvous(rank, spec.world_size, rank_info(where.address if where else None),
                              spec.timeout_s)
-    pg = install_root_group(spec, rank, client, info, config, make_default)
+    # (the rank's lease was taken with its rendezvous call: CoordinatorClient.rendezvous)
+    pg = install_root_group(spec, rank, client, info, config, make_default, lease=False)
     logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
     return pg
 
 
 def install_root_group(spec: GroupSpec, rank: int, client: CoordinatorClient,
                        info: Dict[str, Any], config: Any, make_default: Optional[bool] = None,
-                       group_desc: Optional[str] = None) -> ProcessGroup:
+                       group_desc: Optional[str] = None, lease: bool = True) -> ProcessGroup:
     """Register root group ``spec.name`` in this process as ``rank`` of the roster ``info``
     (the coordinator's answer to a rendezvous, or to a membership change: its ``members``,
-    ``generation`` and ``secret``), holding this rank's lease on the coordinator."""
+    ``generation`` and ``secret``); ``lease``: take this rank's lease on the coordinator
+    for the roster's generation (a rendezvous took it with its call already)."""
     generation = int(info.get("generation", 0))
-    client.hold_lease(rank, generation)
+    if lease:
+        client.hold_lease(rank, generation)
     select_device()  # a rank with a Ray-assigned GPU uses it (torch/cupy current device)
     members = [dict(m, actor=unpack_handle(m.get("actor"))) for m in info["members"]]
     root = _Root(spec.name, client, members, spec.options, info.get("secret"), spec.by_name,

@@ -16,6 +16,7 @@ wait at the coordinator (``rendezvous``, ``kv_get``, ``exchange``, ``join_round`
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -93,9 +94,12 @@ class CoordinatorClient:
     def rendezvous(self, rank: int, world_size: int, info: Dict[str, Any],
                    timeout_s: float) -> Dict[str, Any]:
         """Join the group as ``rank`` (``info``: see :func:`rank_info`); waits up to
-        ``timeout_s`` for every rank. Returns ``{"members", "generation", "secret"}``."""
+        ``timeout_s`` for every rank. Returns ``{"members", "generation", "secret"}``. The
+        rank's lease (see :meth:`hold_lease`) is taken with the call: held once formed."""
+        token = os.urandom(12).hex()  # this join's lease, taken now, handed over with the call
+        self.lease = self.handle.lease.remote(rank, -1, token)
         ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s,
-                                                             self.group_name)
+                                                             self.group_name, [self.lease], token)
         return self.wait(ref, timeout_s, group=self.group_name, rank=rank, op="rendezvous")
 
     def hold_lease(self, rank: int, generation: int) -> None:

@@ -51,10 +51,43 @@ DEATH_BATCH_S = 0.2
 class LivenessMixin(CoordinatorState):
     """Leases, probes and rank death: ``lease``, ``watch``, ``dead_ranks``."""
 
-    async def lease(self, rank: int, generation: int) -> Result:
-        """Held pending by ``rank`` for as long as it is a member (see ``watch``)."""
-        await self._lease_future(rank, generation)
+    async def lease(self, rank: int, generation: int, token: str = "") -> Result:
+        """Held pending by ``rank`` for as long as it is a member (see ``watch``). With a
+        ``token``, the lease a rank takes as it calls ``rendezvous`` (which hands its
+        reference over, so that no ``watch`` call follows): it becomes the rank's lease of
+        the generation it joins (:meth:`_adopt_lease`), or ends if the rendezvous fails."""
+        if not token:
+            await self._lease_future(rank, generation)
+            return ok()
+        try:
+            await self._token_lease(token)
+        finally:
+            self._token_leases.pop(token, None)
         return ok()
+
+    def _token_lease(self, token: str) -> "asyncio.Future[None]":
+        future = self._token_leases.get(token)
+        if future is None:
+            future = self._token_leases[token] = asyncio.get_running_loop().create_future()
+        return future
+
+    def _adopt_lease(self, rank: int, generation: int, token: str, ref: "ray.ObjectRef") -> None:
+        """At formation: the lease ``rank`` took with its rendezvous (``token``, its reference
+        ``ref``) is its lease of ``generation``, watched as ``watch`` would."""
+        future = self._token_lease(token)
+        held = self._leases.get((generation, rank))
+        if held is not None and held is not future and not held.done():
+            held.set_result(None)
+        self._leases[(generation, rank)] = future
+        self.watch(rank, generation, [ref])
+
+    def _end_token_lease(self, token: str) -> None:
+        """A rendezvous that did not form (refused, timed out, made way for): its lease call
+        returns (at once if it comes later)."""
+        if token:
+            future = self._token_lease(token)
+            if not future.done():
+                future.set_result(None)
 
     def watch(self, rank: int, generation: int, lease: List["ray.ObjectRef"]) -> Result:
         """Watch ``rank``'s lease (its ``lease`` call's reference, in a list so that it arrives

@@ -35,7 +35,9 @@ group's name (:func:`raycoll.coordinator.coordinator_name`) in Ray's key-value s
 GCS's, namespace ``raycoll``), pointing at it, and :func:`unclaim` removes it when the group
 is destroyed (before the coordinator is recycled or ended). An entry whose coordinator is dead (its driver exited without destroying the
 group) counts as free. Coordinators that ranks start by name (``init_process_group`` in
-actors) keep their Ray name, as before.
+actors) keep their Ray name, as before; they are not pooled here but linger
+(:data:`raycoll.coordinator.actor.LINGER_S`) after their ranks all left, for the same name
+formed again, then stop themselves.
 """
 
 from __future__ import annotations
