@@ -37,7 +37,7 @@ core = Extension(
              "raycoll/native/pipe.c", "raycoll/native/pipemodule.c"],
     depends=["raycoll/native/core.h", "raycoll/native/segment.h", "raycoll/native/net.h",
              "raycoll/native/reduce.h", "raycoll/native/cma.h",
-             "raycoll/native/pipe.h", "raycoll/native/binding.h"],
+             "raycoll/native/pipe.h", "raycoll/native/binding.h", "raycoll/native/futex.h"],
     extra_compile_args=flags,
     extra_link_args=link,
     libraries=libraries,

@@ -3,6 +3,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include "futex.h"
 #include "pipe.h"
 
 #include "cma.h"
@@ -32,42 +33,17 @@ _Static_assert(128 + 2 * 128 + 2 * 192 <= RC_PIPE_DATA_OFF, "the control fits be
 #define SIDES_OFF 128u
 #define RINGS_OFF (128u + 2u * 128u)
 
-/* ---------------------------------------------------------------- atomics, sleeping */
+/* ------------------------------------------- atomics (sleeping and waking: futex.h) */
 static inline uint64_t load64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
 /* Whether counter value v has reached target (u64 positions: compared by difference). */
 static inline int at_least(uint64_t v, uint64_t target) { return (int64_t)(v - target) >= 0; }
 
-#ifdef __linux__
-static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts;
-    ts.tv_sec = (time_t)(ns / 1000000000ull);
-    ts.tv_nsec = (long)(ns % 1000000000ull);
-    (void)syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
-static void wake_all(uint32_t *addr) {
-    (void)syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-#else
-static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
-    (void)addr;
-    (void)val;
-    struct timespec ts;
-    if (ns > 200000ull) ns = 200000ull;
-    ts.tv_sec = 0;
-    ts.tv_nsec = (long)ns;
-    nanosleep(&ts, NULL);
-}
-
-static void wake_all(uint32_t *addr) { (void)addr; }
-#endif
-
 /* Store a position (release), bump its futex word, wake its sleepers. */
 static void publish(uint64_t *word, uint64_t value, uint32_t *futex, const uint32_t *waiters) {
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
     __atomic_add_fetch(futex, 1u, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(waiters, __ATOMIC_SEQ_CST) != 0) wake_all(futex);
+    if (__atomic_load_n(waiters, __ATOMIC_SEQ_CST) != 0) rc_wake_all(futex);
 }
 
 static uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -232,8 +208,8 @@ void rc_pipe_abort(rc_pipe *p, uint32_t reason) {
     __atomic_compare_exchange_n(&p->sides[p->me].abort, &none, reason, 0, __ATOMIC_SEQ_CST,
                                 __ATOMIC_SEQ_CST);
     for (int d = 0; d < 2; d++) {
-        wake_all(&p->rings[d].hseq);
-        wake_all(&p->rings[d].tseq);
+        rc_wake_all(&p->rings[d].hseq);
+        rc_wake_all(&p->rings[d].tseq);
     }
 }
 
@@ -280,7 +256,7 @@ static int wait_for(rc_pipe *p, const uint64_t *word, uint64_t target, uint32_t 
             !p->closing) {
             uint64_t until = live_at < w.check_at ? live_at : w.check_at;
             now = rc_now_ns();
-            sleep_on(futex, seen, until > now ? until - now : 1000ull);
+            rc_sleep_on(futex, seen, until > now ? until - now : 1000ull);
         }
         __atomic_sub_fetch(waiters, 1u, __ATOMIC_SEQ_CST);
     }
@@ -447,7 +423,7 @@ int rc_pipe_take(rc_pipe *p, uint8_t *dst, uint64_t n, int reject, rc_call *call
         __atomic_store_n(&r->streamed, p->cur.number, __ATOMIC_RELEASE);
         __atomic_store_n(&r->answered, p->cur.number, __ATOMIC_RELEASE);
         __atomic_add_fetch(&r->tseq, 1u, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&r->tail_waiters, __ATOMIC_SEQ_CST) != 0) wake_all(&r->tseq);
+        if (__atomic_load_n(&r->tail_waiters, __ATOMIC_SEQ_CST) != 0) rc_wake_all(&r->tseq);
     }
     uint64_t pos = start + RC_PIPE_MSG_BYTES;
     uint64_t left = p->cur.nbytes;

@@ -4,6 +4,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include "futex.h"
 #include "segment.h"
 
 #include <errno.h>
@@ -34,32 +35,7 @@ static inline uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(
 /* Whether step counter value seq has reached step s (32-bit counters wrap). */
 static inline int reached(uint32_t seq, uint32_t s) { return (int32_t)(seq - s) >= 0; }
 
-
-/* ---------------------------------------------------------------- sleeping and waking */
-#ifdef __linux__
-/* Sleep while *addr == val, at most ns (a shared futex: the word is in a MAP_SHARED file). */
-static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts;
-    ts.tv_sec = (time_t)(ns / 1000000000ull);
-    ts.tv_nsec = (long)(ns % 1000000000ull);
-    (void)syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
-static void wake_all(uint32_t *addr) { (void)syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
-#else
-/* No futex: sleep a little (the waker does nothing; a sleeper re-checks after its sleep). */
-static void sleep_on(uint32_t *addr, uint32_t val, uint64_t ns) {
-    (void)addr;
-    (void)val;
-    struct timespec ts;
-    if (ns > 200000ull) ns = 200000ull;
-    ts.tv_sec = 0;
-    ts.tv_nsec = (long)ns;
-    nanosleep(&ts, NULL);
-}
-
-static void wake_all(uint32_t *addr) { (void)addr; }
-#endif
+/* Sleeping and waking: rc_sleep_on / rc_wake_all (futex.h). */
 
 /* ---------------------------------------------------------------- layout */
 static uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -217,7 +193,7 @@ void rc_seg_abort(rc_seg *s, uint32_t reason) {
     uint32_t none = 0; /* the first reason stays (a close, then the run it ended failing) */
     __atomic_compare_exchange_n(&s->ctl[s->me].abort, &none, reason, 0, __ATOMIC_SEQ_CST,
                                 __ATOMIC_SEQ_CST);
-    for (int r = 0; r < s->nranks; r++) wake_all(&s->ctl[r].seq);
+    for (int r = 0; r < s->nranks; r++) rc_wake_all(&s->ctl[r].seq);
 }
 
 /* ---------------------------------------------------------------- publishing and waiting */
@@ -225,7 +201,7 @@ static void publish(rc_seg *s, uint32_t step) {
     rc_ctl *mine = &s->ctl[s->me];
     s->step = step;
     __atomic_store_n(&mine->seq, step, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) wake_all(&mine->seq);
+    if (__atomic_load_n(&mine->waiters, __ATOMIC_SEQ_CST) != 0) rc_wake_all(&mine->seq);
 }
 
 /* Whether rank r's process is gone (see rc_pid_gone). */
@@ -349,7 +325,7 @@ static int wait_step(rc_seg *s, uint32_t step, rc_call *call, int *peer) {
             !s->closing) {
             uint64_t until = live_at < w.check_at ? live_at : w.check_at;
             now = rc_now_ns();
-            sleep_on(&other->seq, seen, until > now ? until - now : 1000ull);
+            rc_sleep_on(&other->seq, seen, until > now ? until - now : 1000ull);
         }
         __atomic_sub_fetch(&other->waiters, 1u, __ATOMIC_SEQ_CST);
     }
