@@ -26,12 +26,8 @@ import numpy as np
 import ray
 
 import raycoll
+from raycoll.bench.tables import parse_sizes
 from raycoll.testing import RankPool
-
-
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def _label(n: int) -> str:
@@ -188,7 +184,7 @@ def main() -> None:
     parser.add_argument("--layers", action="store_true",
                         help="also time a 4 B round trip of 2 ranks layer by layer")
     args = parser.parse_args()
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     worlds = [int(w) for w in args.world_size.split(",")]
     ray.init(address="local", num_cpus=max(4, max(worlds)), include_dashboard=False,
              log_to_driver=False)

@@ -71,7 +71,7 @@ class SocketPaths:
         if plane is None:
             return False
         me, size = self.ctx.rank, self.ctx.size
-        src = np.ascontiguousarray(flat_in(mine))
+        src = flat_in(mine)
         n = src.nbytes
         if me != root:
             sends = [(j, _FIRST if j == root else _SCRATCH, 0, n if j == root else 0)
@@ -99,7 +99,7 @@ class SocketPaths:
                          for j in range(size) if j != me]
                 self._dense(plane, call, _EMPTY, recvs, [], flat, ())
                 return True
-            ins = [np.ascontiguousarray(flat_in(p)) for p in pieces]
+            ins = [flat_in(p) for p in pieces]
             sends = [(j, _MORE + j, 0, n) for j in range(size) if j != me]
             self._dense(plane, call, sends, _EMPTY, [(_FIRST, 0, _MORE + me, 0, n)], flat, ins)
         return True
@@ -131,7 +131,7 @@ class SocketPaths:
         me, size, nodes = self.ctx.rank, self.ctx.size, self.ctx.node_ids
         with ExitStack() as stack:
             flats = [stack.enter_context(flat_out(o)) for o in outs]
-            srcs = [np.ascontiguousarray(flat_in(a)) for a in ins]
+            srcs = [flat_in(a) for a in ins]
             sends = [(j, _MORE + j, 0, srcs[j].nbytes) for j in range(size) if j != me]
             recvs = [(s, _MORE + size + s, 0, flats[s].nbytes) for s in range(size) if s != me]
             own = [(_MORE + size + me, 0, _MORE + me, 0, srcs[me].nbytes)]
