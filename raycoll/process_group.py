@@ -34,11 +34,7 @@ from raycoll.work import DevicePending, Work
 
 logger = logging.getLogger("raycoll")
 
-__all__ = [
-    "ProcessGroup",
-    "GroupSpec",
-    "DEFAULT_TIMEOUT_S",
-]
+__all__ = ["ProcessGroup", "GroupSpec", "DEFAULT_TIMEOUT_S"]
 
 #: The default collective timeout (torch's default process-group timeout, 30 minutes).
 DEFAULT_TIMEOUT_S = 30 * 60.0
@@ -326,6 +322,13 @@ class ProcessGroup(ObjectAPI):
             if self._broken is None:
                 self._broken = exc
             raise
+
+    def pair_pipes(self) -> Any:
+        """The pair pipes of ``raycoll.send``/``recv``'s short path (the cpu backend's, once
+        set up) where the group is usable and untraced; else ``None``: the full path."""
+        if self._destroyed is not None or self._broken is not None or self._debug:
+            return None
+        return getattr(self._backends.get("cpu"), "pair_pipes", None)
 
     def reject(self, call: Call, exc: BaseException) -> None:
         """Tell the peers that this rank rejected its arguments for ``call`` (no wait)."""

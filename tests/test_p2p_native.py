@@ -5,6 +5,8 @@ actors of one node: the default path where the core is built.
   before their receive is posted, large ones stream; any-source receives find them;
 - a dtype or shape mismatch is a clear ``CollectiveMismatchError`` on the receiver, and on the
   sender too for a large message (which waits to be taken); the pair goes on after it;
+- blocking calls of plain arrays take a short path that keeps the full path's matching (a
+  receive posted earlier first, messages of other tags kept) and its argument checks;
 - a peer killed while a rank waits in a receive fails that receive with ``RankFailedError``
   naming it, well within the call's timeout: no hang.
 
@@ -114,6 +116,68 @@ def test_a_mismatch_is_named_on_the_receiver_and_on_the_sender_of_a_large_messag
     assert kind == "CollectiveMismatchError", sender
     assert "the receiver rejected the message" in msg and f"shape=({n},)" in msg, msg
     assert receiver["after"] == [7.0] * 3  # the pair goes on
+
+
+def _short_path_edges(rank: int) -> Dict[str, Any]:
+    """Blocking send/recv of plain arrays take the short path (PairPipes.send_now /
+    recv_now); where it cannot serve them (a receive posted earlier, a message kept, a
+    view, a read-only array, bad arguments) the full path must, with torch's matching."""
+    out: Dict[str, Any] = {}
+    x = np.zeros(2)
+    raycoll.send(x, dst=1) if rank == 0 else raycoll.recv(x, src=0)  # the pipe is up
+    if rank == 0:
+        for value in (1.0, 2.0):  # same tag: the earlier irecv must get the first
+            raycoll.send(np.full(2, value), dst=1, tag=5)
+        raycoll.send(np.full(2, 3.0), dst=1, tag=7)  # kept while tag 8 is received
+        raycoll.send(np.full(2, 4.0), dst=1, tag=8)
+        raycoll.send(np.arange(6.0).reshape(2, 3), dst=1, tag=np.int64(9))
+        raycoll.send(np.arange(3, dtype=np.int32), dst=1)
+        out["self"] = _outcome(lambda: raycoll.send(np.zeros(1), dst=0))
+        out["stranger"] = _outcome(lambda: raycoll.send(np.zeros(1), dst=5))
+        raycoll.barrier()
+        for i in range(200):  # back and forth: the short path both ways
+            raycoll.send(np.full(1, float(i)), dst=1)
+            raycoll.recv(x[:1], src=1)
+            out.setdefault("echo", []).append(float(x[0]))
+    else:
+        first, second = np.zeros(2), np.zeros(2)
+        work = raycoll.irecv(first, src=0, tag=5)
+        raycoll.recv(second, src=0, tag=5)
+        work.wait(timeout=60)
+        out["same_tag"] = [first[0], second[0]]
+        eight, seven = np.zeros(2), np.zeros(2)
+        raycoll.recv(eight, src=0, tag=8)
+        raycoll.recv(seven, src=0, tag=7)
+        out["kept"] = [eight[0], seven[0]]
+        view = np.zeros((2, 6))[:, ::2]  # not contiguous: the full path copies into it
+        out["view_src"] = raycoll.recv(view, src=0, tag=9)
+        out["view"] = view.tolist()
+        frozen = np.zeros(3, np.int32)
+        frozen.flags.writeable = False
+        out["read_only"] = _outcome(lambda: raycoll.recv(frozen, src=0))
+        ok = np.zeros(3, np.int32)
+        raycoll.recv(ok, src=0)
+        out["after"] = ok.tolist()
+        raycoll.barrier()
+        got = np.zeros(1)
+        for _ in range(200):
+            raycoll.recv(got, src=0)
+            raycoll.send(got * 2, dst=0)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_the_short_path_of_blocking_calls_keeps_torchs_matching_and_checks(ranks):
+    sender, receiver = ranks.run(_short_path_edges, 2, timeout=60)
+    assert receiver["same_tag"] == [1.0, 2.0], receiver  # posted order, as torch matches
+    assert receiver["kept"] == [4.0, 3.0], receiver
+    assert receiver["view_src"] == 0 and receiver["view"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    kind, msg = receiver["read_only"]
+    assert kind == "ValueError" and "read-only" in msg, receiver
+    assert receiver["after"] == [0, 1, 2], receiver
+    assert sender["self"][0] == "ValueError" and "this rank" in sender["self"][1], sender
+    assert sender["stranger"][0] == "ValueError" and "dst=5" in sender["stranger"][1], sender
+    assert sender["echo"] == [2.0 * i for i in range(200)]
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from raycoll.reduce_op import ReduceOp, finalize
 from raycoll.tensors import host_view
 from raycoll.transport.base import PerPeer
 from raycoll.transport.lane import LANE_BYTES, lane_bytes, oversubscribed
+from raycoll.transport.pipes import PairPipes
 
 __all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "STREAM_BYTES",
            "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
@@ -447,9 +448,15 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgo
         self.ctx.exchange(call, 0, None)
 
     # ------------------------------------------------------------------ point to point
+    #: the group's :class:`~raycoll.transport.pipes.PairPipes` once its point-to-point is on
+    #: them (:meth:`ProcessGroup.pair_pipes <raycoll.process_group.ProcessGroup.pair_pipes>`)
+    pair_pipes: Optional[PairPipes] = None
+
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
         mailbox = self.ctx.mailbox()
+        if isinstance(mailbox, PairPipes):
+            self.pair_pipes = mailbox
         if mailbox is not None:  # straight to the peer (raycoll.transport.tcp)
             done = mailbox.send(arr, dst, tag, array_meta(arr), timeout_s)
 
@@ -474,6 +481,8 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgo
     def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
         mailbox = self.ctx.mailbox()
+        if isinstance(mailbox, PairPipes):
+            self.pair_pipes = mailbox
         if mailbox is not None:
             return mailbox.recv(arr, src, tag, array_meta(arr), timeout_s)
         ref = self.ctx.p2p_recv(src, tag, array_meta(arr), timeout_s)

@@ -28,7 +28,7 @@ import functools
 import hashlib
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -162,8 +162,10 @@ class PairPipes:
         return pipe
 
     def _wait(self, deadline: float, timeout_s: float, peers: Sequence[int],
-              what: str) -> Tuple[Tuple[int, int, int, int], Callable[[float, Any], None]]:
-        """A native wait's policy and its check: the call's deadline, then the coordinator."""
+              what: Union[str, Callable[[], str]],
+              ) -> Tuple[Tuple[int, int, int, int], Callable[[float, Any], None]]:
+        """A native wait's policy and its check: the call's deadline, then the coordinator
+        (``what``, or what it returns, names the call in a timeout's message)."""
         self._waits += 1
         spin = self.spin_ns if may_spin() and self._backoff.spinning(self._waits) else 0
         first = min(CHECK_FIRST_S, max(timeout_s, 1e-3))
@@ -171,7 +173,8 @@ class PairPipes:
 
         def check(waited_s: float, _pending: Any) -> None:
             if time.monotonic() > deadline:
-                raise self._timed_out(f"{what} within {timeout_s:g}s", peers)
+                said = what if isinstance(what, str) else what()
+                raise self._timed_out(f"{said} within {timeout_s:g}s", peers)
             self._check(peers, waited_s)
 
         return policy, check
@@ -278,6 +281,61 @@ class PairPipes:
             with out.turn:
                 out.serving += 1
                 out.turn.notify_all()
+
+    # -- the short path of a blocking send or receive
+    def send_now(self, data: np.ndarray, dst: int, tag: int, code: bytes) -> bool:
+        """``raycoll.send``'s short path: ``data`` (flat bytes of at most ``EAGER_BYTES``) into
+        the open pipe to ``dst`` at once, when no earlier send to it is pending and the ring
+        has room. ``False``: nothing was sent (the caller takes :meth:`send`)."""
+        pipe = self._pipes.get(dst)
+        out = self._outs.get(dst)
+        if pipe is None or out is None or dst in self._failed or data.nbytes > EAGER_BYTES:
+            return False
+        with out.turn:
+            if out.serving != out.next_ticket:
+                return False
+            status, _, _ = pipe.send(data, tag, code, False, False, False, (0, 0, 0, 0), None)
+            if status != core.OK:
+                return False
+            out.next_ticket += 1
+            out.serving += 1
+        return True
+
+    def recv_now(self, arr: np.ndarray, src: int, tag: int, code: bytes,
+                 timeout_s: float) -> bool:
+        """``raycoll.recv``'s short path from ``src`` into ``arr`` (C-contiguous, writable):
+        where no other receive is posted, no message is kept and nobody reads ``src``'s open
+        pipe, one native call waits for the next message and copies it in (matched as
+        :meth:`recv` matches it). ``False``: nothing was taken (the next message has another
+        tag, say); the caller takes :meth:`recv`."""
+        pipe = self._pipes.get(src)
+        with self._cv:
+            if (pipe is None or self._posted or self._stash or self._reading.get(src)
+                    or src in self._failed):
+                return False
+            self._reading[src] = True
+        try:
+            def what() -> str:
+                return (f"recv at rank {self.global_ranks[self.rank]} from rank "
+                        f"{self.global_ranks[src]} (tag {tag}) on group {self.group!r} got "
+                        "no message")
+
+            policy, check = self._wait(time.monotonic() + timeout_s, timeout_s, [src], what)
+            status, _, _, meta, broke, exc = pipe.recv(arr.reshape(-1).view(np.uint8), tag,
+                                                       code, policy, check)
+            self._spun(src, pipe)
+            if status == core.OK:
+                return True
+            if status == core.MISMATCH:
+                raise self._mismatch(_Posted(src, tag, arr, code), src,
+                                     meta if meta != code else b"")
+            if status == core.PIPE_OTHER:
+                return False
+            raise self._failure(status, src, what(), exc, broke)
+        finally:
+            with self._cv:
+                self._reading[src] = False
+                self._cv.notify_all()
 
     # -- receiving
     def recv(self, arr: np.ndarray, src: Optional[int], tag: int, meta: Meta,
