@@ -295,6 +295,9 @@ class GroupContext:
         """This rank's traffic on the group's direct connections (see
         ``ProcessGroup.counters``)."""
         plane = self._plane
+        native = getattr(plane, "native", None) if plane else None
+        if native is not None:
+            native.flush()  # its counters are brought up to date when read
         per_op = getattr(plane, "counters", {}) if plane else {}
         sockets = self._transports.sockets if self._transports is not None else None
         return {

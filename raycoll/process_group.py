@@ -301,12 +301,12 @@ class ProcessGroup(ObjectAPI):
 
     def fast_all_reduce(self, arr: Any, op: Any) -> bool:
         """``raycoll.all_reduce``'s short path: a synchronous all_reduce of a plain numpy
-        array on a group whose node segment is set up, with nothing queued before it, run
-        straight on the segment (a few microseconds of Python, not tens). ``False`` (nothing
-        done, no sequence number taken) where any of that does not hold: the caller takes
-        the full path, which checks the arguments and raises their errors."""
-        plane = self.context._plane
-        if (not getattr(plane, "is_segment", False) or self._outstanding or self._debug
+        array on a group whose node segment, or native sockets, are set up, with nothing
+        queued before it, run straight on them (a few microseconds of Python, not tens).
+        ``False`` (nothing done, no sequence number taken) where any of that does not hold:
+        the caller takes the full path, which checks the arguments and raises their errors."""
+        plane = getattr(self.context._plane, "fast", None)  # the segment, or native sockets
+        if (plane is None or self._outstanding or self._debug
                 or self._broken is not None or self._destroyed is not None):
             return False
         flags = arr.flags

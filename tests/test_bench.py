@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import pytest
@@ -126,9 +128,10 @@ def test_vs_gloo_adds_the_peer_time_and_ratio(ray_local: None, tmp_path: Path,
     status = bench.main(["--op", "all_reduce,all_to_all_single", "--sizes", "4K",
                          "--world-size", "2", "--vs", "gloo", "--check", "--iters", "2",
                          "--warmup", "1", "--json", str(out), "--no-progress",
-                         "--dtype", "int32"])
+                         "--dtype", "int32", "--pattern", "after-barrier"])
     printed = capsys.readouterr().out
     assert status == 0, printed
+    assert "pattern=after-barrier" in printed
     rows = _rows(out)
     assert [r["op"] for r in rows] == ["all_reduce", "all_to_all_single"]
     for row in rows:
@@ -174,3 +177,20 @@ def test_checked_patterns_are_exact_in_small_dtypes() -> None:
     total = np.sum([pattern(r, 0, 1000, np.dtype("float16")) for r in range(16)], axis=0)
     exact = np.sum([pattern(r, 0, 1000, np.dtype("int64")) for r in range(16)], axis=0)
     assert np.array_equal(total.astype(np.int64), exact)
+
+
+def test_timed_calls_follow_the_pattern() -> None:
+    from raycoll.bench.peers import PAUSE_S, timed_calls
+
+    log: List[str] = []
+    times = timed_calls(lambda: log.append("step"), 3, "after-barrier",
+                        lambda: log.append("barrier"))
+    assert log == ["barrier", "step"] * 3 and len(times) == 3
+    log.clear()
+    began = time.perf_counter()
+    timed_calls(lambda: log.append("step"), 4, "after-pause")
+    assert log == ["step"] * 4 and time.perf_counter() - began >= 4 * PAUSE_S
+    with pytest.raises(ValueError, match="pattern: expected one of back-to-back"):
+        timed_calls(lambda: None, 1, "sometimes")
+    with pytest.raises(ValueError, match="needs the library's barrier"):
+        timed_calls(lambda: None, 1, "after-barrier")

@@ -107,3 +107,50 @@ def test_an_all_to_all_whose_pairs_disagree_fails_on_every_rank_and_the_group_go
                "dtype=float32, shape=(2, 4)" in first[1], (rank, first)
         assert after == [3.0] * 3, (rank, after)
         assert python_rounds == 0, rank
+
+
+def _short_path(rank: int, calls: int) -> Dict[str, Any]:
+    """all_reduce's short path on native sockets replays what the full path ran for an
+    array of the same dtype and size; rank 1 takes the full path (async) throughout."""
+    pg = world().default
+    out: Dict[str, Any] = {"sums": []}
+
+    def all_reduce(x: np.ndarray) -> None:
+        if rank == 1:
+            raycoll.all_reduce(x, async_op=True).wait(timeout=60)
+        else:
+            raycoll.all_reduce(x)
+
+    for i in range(calls):
+        x = np.full(4, float(rank + i))
+        all_reduce(x)
+        out["sums"].append(x.tolist())
+    out["fast"] = len(pg.context._plane.native._fast)
+    counts = pg.counters()["collectives"]
+    out["all_reduce_msgs"] = counts["all_reduce"]["messages_sent"]
+    raycoll.broadcast(np.zeros(3), src=0)  # another kind: counted apart
+    out["broadcast_msgs"] = pg.counters()["collectives"]["broadcast"]["messages_sent"]
+    # the same dtype and size in another shape: its fingerprint differs, on every rank
+    y = np.ones((2, 2)) if rank == 0 else np.ones(4)
+    try:
+        all_reduce(y)
+        out["mismatch"] = None
+    except raycoll.CollectiveMismatchError as exc:
+        out["mismatch"] = str(exc)
+    z = np.full(4, float(rank))
+    all_reduce(z)  # the group goes on
+    out["after"] = z.tolist()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_all_reduces_short_path_on_sockets_meets_the_full_path_and_counts_alike(ranks):
+    calls = 30
+    results = ranks.run(_short_path, 2, calls, options=TCP, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["sums"] == [[2.0 * i + 1] * 4 for i in range(calls)], (rank, res)
+        assert res["all_reduce_msgs"] == calls, (rank, res)  # one message a call, each counted
+        assert res["broadcast_msgs"] == (1 if rank == 0 else 0), (rank, res)
+        assert res["mismatch"] is not None and "shape" in res["mismatch"], (rank, res)
+        assert res["after"] == [1.0] * 4, (rank, res)
+    assert results[0]["fast"] >= 1  # rank 0 ran the short path

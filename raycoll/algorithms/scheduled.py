@@ -149,6 +149,8 @@ class ScheduledAlgorithms:
             nplan = native.plan(key, schedule, flat.itemsize, reducing)
             plane.run_native(call, nplan, flat, codes, op)
             self.ctx.note_rounds(call, nplan.rounds, schedule.algorithm)
+            if collective == "all_reduce" and op is not None:
+                native.remember(flat, op, nplan, codes, schedule.algorithm)
             return True
         self._run(collective, schedule, plan, flat, op, call, plane)
         return True

@@ -13,6 +13,12 @@ the same Ray). It prints an nccl-tests style table: size, element count, time (m
 iterations), algorithm bandwidth (``bytes / time``), bus bandwidth (algbw times nccl-tests'
 factor for the operation) and the number of wrong elements.
 
+``--pattern`` says how the timed calls follow each other: ``back-to-back`` (the default),
+``after-barrier`` (each right after an untimed barrier of the same library, in raycoll and
+in the peer alike) or ``after-pause`` (each after an untimed 1 ms sleep, as a loop that
+computes between collectives): a wait strategy that spins well back to back may sleep
+through the next call after a pause.
+
 ``send_recv`` times a round trip: rank 0 sends to the last rank (on another node with
 ``--nodes``), which sends it back.
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll.bench.peers import OPS, canonical_op
+from raycoll.bench.peers import OPS, PATTERNS, canonical_op
 from raycoll.bench.runner import PEERS, configure_ray_env, run_bench
 from raycoll.bench.tables import (
     FREE_PERIOD_ENV,
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size")
     p.add_argument("--check", action="store_true", help="verify results, count wrong elements")
+    p.add_argument("--pattern", choices=PATTERNS, default="back-to-back",
+                   help="time each call right after the last, after an untimed barrier of "
+                        "the same library, or after an untimed 1 ms pause (a loop that "
+                        "computes between collectives)")
     p.add_argument("--vs", choices=sorted(PEERS), default=None,
                    help="run this library too, interleaved, and print the time ratio")
     p.add_argument("--baselines", action="store_true",
@@ -113,6 +117,7 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> Tuple[Options, argpar
     opts = Options(ops=ops, sizes=sizes, world_sizes=worlds, nodes=args.nodes,
                    address=args.address, backend=args.backend, dtype=dtype.name,
                    iters=args.iters, warmup=args.warmup, check=args.check, vs=args.vs,
+                   pattern=args.pattern,
                    group_options=group_options, baselines=args.baselines, memory=args.memory,
                    free_period_ms=args.ray_free_period_ms,
                    object_store_mb=args.object_store_mb, progress=not args.no_progress)

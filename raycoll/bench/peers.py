@@ -227,10 +227,26 @@ def _ray_collective_step(
     return send_recv
 
 
-def timed_calls(step: Callable[[], Any], iters: int) -> List[float]:
-    """Seconds each of ``iters`` calls of ``step`` took, each timed alone (``perf_counter``)."""
+#: The benchmark's patterns of calls (``--pattern``), and the pause of ``after-pause``.
+PATTERNS = ("back-to-back", "after-barrier", "after-pause")
+PAUSE_S = 1e-3
+
+
+def timed_calls(step: Callable[[], Any], iters: int, pattern: str = "back-to-back",
+                barrier: Optional[Callable[[], Any]] = None) -> List[float]:
+    """Seconds each of ``iters`` calls of ``step`` took, each timed alone (``perf_counter``);
+    ``pattern`` (:data:`PATTERNS`): each call right after the last, after an untimed
+    ``barrier`` of the same library, or after an untimed pause of ``PAUSE_S``."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern: expected one of {', '.join(PATTERNS)}; got {pattern!r}")
+    if pattern == "after-barrier" and barrier is None:
+        raise ValueError("pattern 'after-barrier' needs the library's barrier")
     times = []
     for _ in range(iters):
+        if pattern == "after-barrier":
+            barrier()  # type: ignore[misc]
+        elif pattern == "after-pause":
+            time.sleep(PAUSE_S)
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -294,7 +310,8 @@ class _RankActor:
                 gloo_timeout=int(timeout.total_seconds() * 1000),
             )  # fmt: skip
 
-    def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int) -> List[float]:
+    def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int,
+              pattern: str = "back-to-back") -> List[float]:
         if self.kind == "gloo":
             import torch.distributed as dist
 
@@ -314,7 +331,7 @@ class _RankActor:
         for _ in range(warmup):
             step()
         sync()
-        return timed_calls(step, iters)
+        return timed_calls(step, iters, pattern, sync)
 
 
 _RankRemote: Any = ray.remote(num_cpus=0)(_RankActor)
@@ -338,8 +355,10 @@ class Peer(abc.ABC):
         each rank on a node of its own choosing)."""
 
     @abc.abstractmethod
-    def run(self, op: str, nbytes: int, dtype: str, iters: int, warmup: int) -> List[float]:
-        """Seconds per timed iteration of ``op`` (max over ranks); raises NotSupportedByPeer."""
+    def run(self, op: str, nbytes: int, dtype: str, iters: int, warmup: int,
+            pattern: str = "back-to-back") -> List[float]:
+        """Seconds per timed iteration of ``op`` (max over ranks), the calls following each
+        other as ``pattern`` says (:func:`timed_calls`); raises NotSupportedByPeer."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -403,7 +422,7 @@ class _ActorPeer(Peer):
         """What each rank needs to join the peer's own group (address, port, group name)."""
 
     def run(self, op: str, nbytes: int, dtype: str = "float32", iters: int = 20,
-            warmup: int = 5) -> List[float]:  # fmt: skip
+            warmup: int = 5, pattern: str = "back-to-back") -> List[float]:  # fmt: skip
         op = canonical_op(op)
         if op not in self.supported_ops:
             supported = ", ".join(sorted(self.supported_ops))
@@ -417,7 +436,8 @@ class _ActorPeer(Peer):
         count = _count(op, nbytes, dtype, self.world_size)
         try:
             per_rank = self._get(
-                [a.bench.remote(op, count, dtype, iters, warmup) for a in self._actors]
+                [a.bench.remote(op, count, dtype, iters, warmup, pattern)
+                 for a in self._actors]
             )
         except RayTaskError as exc:
             if isinstance(exc.cause, NotSupportedByPeer):

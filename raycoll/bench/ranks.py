@@ -168,7 +168,7 @@ class BenchRank:
         return process_usage()
 
     def bench(self, op: str, count: int, dtype: str, iters: int, warmup: int, check: bool,
-              group: str) -> Tuple[List[float], Optional[int]]:
+              group: str, pattern: str = "back-to-back") -> Tuple[List[float], Optional[int]]:
         import raycoll
         from raycoll.world import world as _world
 
@@ -179,7 +179,7 @@ class BenchRank:
             step()
         wrong = checked() if check else None
         raycoll.barrier(group=group)
-        return timed_calls(step, iters), wrong
+        return timed_calls(step, iters, pattern, lambda: raycoll.barrier(group=group)), wrong
 
 
 BenchRankRemote: Any = ray.remote(BenchRank)

@@ -258,8 +258,8 @@ class _Ranks:
             raise
 
     def run(self, op: str, count: int, dtype: str, iters: int, warmup: int,
-            check: bool) -> Tuple[List[float], Optional[int]]:
-        refs = [a.bench.remote(op, count, dtype, iters, warmup, check, self.group)
+            check: bool, pattern: str = "back-to-back") -> Tuple[List[float], Optional[int]]:
+        refs = [a.bench.remote(op, count, dtype, iters, warmup, check, self.group, pattern)
                 for a in self.actors]
         results = ray.get(refs, timeout=CALL_TIMEOUT_S)
         times = [max(t) for t in zip(*(r[0] for r in results))]
@@ -327,7 +327,7 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
                         baseline = sampler.used()
                         sampler.start()
                     times, wrong = ranks.run(op, count, opts.dtype, opts.iters, opts.warmup,
-                                             opts.check)
+                                             opts.check, opts.pattern)
                     row = make_row(op, real, count, opts.dtype, world_size, ranks.nodes,
                                    opts.backend, times, wrong)
                     if sampler is not None:
@@ -362,7 +362,7 @@ def run_bench(opts: Options, emit: Callable[[Row], None] = lambda row: None) -> 
 def _add_peer(row: Row, peer: Peer, op: str, nbytes: int, opts: Options) -> None:
     row.peer = peer.name
     try:
-        times = peer.run(op, nbytes, opts.dtype, opts.iters, opts.warmup)
+        times = peer.run(op, nbytes, opts.dtype, opts.iters, opts.warmup, opts.pattern)
     except NotSupportedByPeer as exc:
         row.extra["peer_note"] = exc.reason
         return

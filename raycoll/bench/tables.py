@@ -170,6 +170,10 @@ class Options:
     free_period_ms: int = 10
     object_store_mb: Optional[int] = None
     progress: bool = True
+    #: how the timed calls follow each other: ``back-to-back``, ``after-barrier`` (each
+    #: right after an untimed barrier of the same library) or ``after-pause`` (each after
+    #: an untimed ``PAUSE_S`` sleep: a loop that computes between collectives)
+    pattern: str = "back-to-back"
     #: on a cluster joined with ``address`` (or this process's Ray): rank r on the r-th live
     #: node, round robin, not where Ray packs them (``--calibrate`` measures a link)
     spread: bool = False
@@ -188,7 +192,8 @@ def header(opts: Options) -> str:
     peer = opts.vs or ""
     lines = [
         f"# raycoll-bench: backend={opts.backend} dtype={opts.dtype} iters={opts.iters} "
-        f"warmup={opts.warmup} check={'on' if opts.check else 'off'} nodes={opts.nodes}"
+        f"warmup={opts.warmup} check={'on' if opts.check else 'off'} nodes={opts.nodes} "
+        f"pattern={opts.pattern}"
         + (f" vs={peer}" if peer else "")
         + (f" options={opts.group_options}" if opts.group_options else "")
         + (f" {FREE_PERIOD_ENV}={os.environ[FREE_PERIOD_ENV]}"

@@ -9,11 +9,18 @@ import ast
 import hashlib
 from typing import Any, Dict, Tuple
 
-__all__ = ["Fingerprints", "FP_BYTES"]
+__all__ = ["Fingerprints", "FP_BYTES", "all_reduce_fp"]
 
 #: The most bytes of a fingerprint the segment compares (segment.h's RC_FP_BYTES); a longer
 #: one is compared by its hash.
 FP_BYTES = 192
+
+
+def all_reduce_fp(dtype: str, shape: Tuple[int, ...], reduce_op: Any) -> Dict[str, Any]:
+    """The fingerprint ``raycoll.all_reduce`` gives a CPU array's call (what its short paths
+    must give alike, so that a rank on a short path meets a peer on the full one)."""
+    return {"dtype": dtype, "shape": shape, "reduce_op": reduce_op, "device": "cpu",
+            "op": "all_reduce"}
 
 
 class Fingerprints:

@@ -8,7 +8,10 @@ Used by :class:`~raycoll.transport.tcp.TcpTransport` when every rank of the grou
 native core (rendezvous tells). Its messages go over connections of their own (purpose
 ``"ncoll"``, made on first use like the others), so that they never meet the Python rounds'
 frames. The counters (``ProcessGroup.counters()``) gain exactly what the Python rounds would
-count, computed once per plan.
+count, brought up to date once per run of calls of one kind (and when read), not per call.
+``raycoll.all_reduce``'s short path replays what the full path ran for an array of the same
+dtype and size (:meth:`NativeSockets.fast_plan`): tens of microseconds of Python fewer a
+call.
 
 A message's header carries the call's sequence number, step and fingerprint hash, read
 before its bytes: a message of an earlier (failed) call is skipped; one of a later call is
@@ -34,7 +37,8 @@ from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.schedule import Schedule
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
 from raycoll.transport.base import may_spin
-from raycoll.transport.fingerprints import Fingerprints
+from raycoll.tensors import dtype_name
+from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.frames import PeerClosed, PeerLeft
 from raycoll.transport.links import peer_failure
 
@@ -69,10 +73,17 @@ class NativeSockets:
         self.conns = np.zeros(size, dtype=CONN_DTYPE)
         #: what had moved (net.h's counts: bytes and messages each way, by peer) when the
         #: last run ended, and whether each peer is on this rank's node
-        self._moved = self._counts()
+        self._moved = self._counts(self.conns)
+        #: the kind of the calls run since the counters were last brought up to date, and
+        #: their rounds (:meth:`_tally`)
+        self._window: Tuple[Optional[str], int] = (None, 0)
         nodes = tcp.ctx.node_ids
         self._same_node = np.array([n == nodes[tcp.ctx.rank] for n in nodes])
         self._plans: Dict[Any, NativePlan] = {}
+        #: all_reduces the full path ran here, by (dtype, elements, op), and the short
+        #: path's entries made of them, by (dtype, shape, op): :meth:`fast_plan`
+        self._replays: Dict[Any, Tuple[NativePlan, Tuple[int, int], str]] = {}
+        self._fast: Dict[Any, Any] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
         self._fps = Fingerprints()
         spin = 0 if crowded else int(SPIN_S * 1e9)
@@ -108,6 +119,42 @@ class NativeSockets:
             return None
         opc = op_code(op.name)
         return (code, opc) if core.supported(code, opc) else None
+
+    # ------------------------------------------------------------------ the short path
+    def remember(self, flat: np.ndarray, op: "ReduceOp", plan: NativePlan,
+                 codes: Tuple[int, int], algorithm: str) -> None:
+        """The full path ran an all_reduce of ``flat`` with ``op`` as ``plan`` (by
+        ``algorithm``): the same path the short one may replay for arrays of its dtype and
+        size (the choice depends on nothing else, alike on every rank)."""
+        if len(self._replays) >= _CACHE:
+            self._replays.clear()
+            self._fast.clear()
+        self._replays[(flat.dtype, flat.size, op)] = (plan, codes, algorithm)
+
+    def fast_plan(self, arr: np.ndarray, op: "ReduceOp") -> Any:
+        """For ``raycoll.all_reduce``'s short path (``ProcessGroup.fast_all_reduce``): what
+        the full path ran for an all_reduce like this one (:meth:`remember`), with its
+        fingerprint; ``False`` until the full path ran one."""
+        key = (arr.dtype, arr.shape, op)
+        entry = self._fast.get(key)
+        if entry is None:
+            got = self._replays.get((arr.dtype, arr.size, op))
+            if got is None:
+                return False
+            plan, codes, algorithm = got
+            fp = all_reduce_fp(dtype_name(arr.dtype), arr.shape, op.key)
+            entry = self._fast[key] = (plan, codes, op, fp, algorithm)
+        return entry
+
+    def run_fast(self, entry: Any, seq: int, timeout_s: float, arr: np.ndarray) -> None:
+        """Run an all_reduce of :meth:`fast_plan` as collective ``seq``: what the full path
+        runs, without its probes."""
+        from raycoll.context import Call  # (the context imports the transports' module)
+
+        plan, codes, op, fp, algorithm = entry
+        call = Call("all_reduce", seq, timeout_s, fp)
+        self.tcp.run_native(call, plan, arr.reshape(-1), codes, op)
+        self.tcp.ctx.note_rounds(call, plan.rounds, algorithm)
 
     # ------------------------------------------------------------------ connections
     def _connect(self, call: "Call", plan: NativePlan) -> None:
@@ -185,38 +232,58 @@ class NativeSockets:
                     f"{call.op} #{call.seq} on group {self.tcp.ctx.group_name!r}: the group "
                     "was destroyed on this rank")
             self._busy += 1
+            if call.op != self._window[0]:
+                self._tally(self.conns)
+                self._window = (call.op, 0)
+        before = self.conns.copy()
         try:
             self._execute(call, plan, flat, codes, op, more)
         except BaseException:
-            self._moved = self._counts()  # a failed call's traffic counts for no call
+            with self._lock:  # the calls before count; this failed one's traffic for none
+                self._tally(before)
+                self._moved = self._counts(self.conns)
             raise
         finally:
             self._idle()
-        self._tally(call, plan)
+        self._window = (call.op, self._window[1] + plan.rounds)
 
-    def _counts(self) -> np.ndarray:
+    def flush(self) -> None:
+        """Bring the counters up to date (before they are read): the traffic of the calls
+        run since the last flush, unless a run is in flight (then at its end)."""
+        with self._lock:
+            if self._busy == 0:
+                self._tally(self.conns)
+
+    @staticmethod
+    def _counts(conns: np.ndarray) -> np.ndarray:
         """(bytes sent, bytes received, messages sent, messages received) by peer, as the
-        core counted them."""
-        c = self.conns
-        return np.stack([c["sent"], c["received"], c["msgs_sent"].astype(np.uint64),
-                         c["msgs_received"].astype(np.uint64)], axis=1)
+        core counted them in ``conns``."""
+        return np.stack([conns["sent"], conns["received"], conns["msgs_sent"].astype(np.uint64),
+                         conns["msgs_received"].astype(np.uint64)], axis=1)
 
-    def _tally(self, call: "Call", plan: NativePlan) -> None:
-        """The counters gain what the core moved in this run (counted where the bytes move,
-        not taken from the plan); the rounds are the plan's steps with traffic."""
-        now = self._counts()
+    def _tally(self, conns: np.ndarray) -> None:
+        """The counters of the calls since the last tally (a run of calls of one kind: they
+        count alike, so the Python of the counting is paid once per run, not per call) gain
+        what the core moved (``conns``: its counts at the run's end; counted where the bytes
+        move, not taken from the plans); the rounds are the plans' steps with traffic.
+        Holds ``_lock``."""
+        kind, rounds = self._window
+        self._window = (kind, 0)
+        now = self._counts(conns)
         moved = (now - self._moved) & np.uint64(0xFFFFFFFF_FFFFFFFF)
         moved[:, 2:] &= np.uint64(0xFFFFFFFF)  # the message counts are 32-bit and wrap
         self._moved = now
+        if kind is None or (rounds == 0 and not moved.any()):
+            return
         same = self._same_node
-        tally = self.tcp.tally(call.op)
+        tally = self.tcp.tally(kind)
         tally.bytes_sent_same_node += int(moved[same, 0].sum())
         tally.bytes_sent_other_node += int(moved[~same, 0].sum())
         tally.bytes_recv_same_node += int(moved[same, 1].sum())
         tally.bytes_recv_other_node += int(moved[~same, 1].sum())
         tally.messages_sent += int(moved[:, 2].sum())
         tally.messages_recv += int(moved[:, 3].sum())
-        tally.rounds += plan.rounds
+        tally.rounds += rounds
         tally.add_peers(np.flatnonzero(moved[:, 2] + moved[:, 3]).tolist())
 
     def _execute(self, call: "Call", plan: NativePlan, flat: np.ndarray,

@@ -48,7 +48,7 @@ from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
 from raycoll.transport.base import REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own
-from raycoll.transport.fingerprints import Fingerprints
+from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.frames import decode_frame, encode_round
 from raycoll.transport.lane import oversubscribed
 
@@ -181,6 +181,11 @@ class SegmentLane(RoundTransport):
     #: (what the backend asks to take the node segment's paths)
     is_segment = True
 
+    @property
+    def fast(self) -> "SegmentLane":
+        """What runs ``raycoll.all_reduce``'s short path here: this segment (:meth:`fast_plan`)."""
+        return self
+
     def __init__(self, ctx: "GroupContext", seg: Any, cma: bool = False) -> None:
         super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
         self.seg = seg
@@ -304,8 +309,7 @@ class SegmentLane(RoundTransport):
         codes = self._op(arr, op)
         if codes is None:
             return False
-        fp = {"dtype": dtype_name(arr.dtype), "shape": arr.shape, "reduce_op": op.key,
-              "device": "cpu", "op": "all_reduce"}
+        fp = all_reduce_fp(dtype_name(arr.dtype), arr.shape, op.key)
         plan = self._all_reduce_plan(arr.size, arr.itemsize, -1)
         return (plan, codes[0], codes[1], float(op.factor or 1.0),
                 self.ctx.size if op.name == "AVG" else 0, fp, self._fps.encode(fp))

@@ -100,6 +100,8 @@ class TcpTransport(RoundTransport):
         self.native: Optional[NativeSockets] = (
             NativeSockets(self, oversubscribed(host_ranks(ctx)))
             if native_sockets_possible(ctx, self._peers) else None)
+        #: what runs ``raycoll.all_reduce``'s short path on this group (its native runs)
+        self.fast = self.native
 
     def run_native(self, call: "Call", plan: Any, flat: Any, codes: Any, op: Any,
                    more: Sequence[Any] = ()) -> None:
@@ -108,7 +110,8 @@ class TcpTransport(RoundTransport):
         self.native.run(call, plan, flat, codes, op, more)
         self._done = (call.op, call.seq)
         self.calls += 1
-        self.report()
+        if self._report_timer is None:  # (else the timer's report is on its way)
+            self.report()
 
     def fail_broken(self) -> None:
         """A native run broke the group: close, so that a rank arriving late fails too."""
