@@ -57,8 +57,6 @@ class GroupOptions:
       direct connections); each rank's lane channel is allocated at this size;
     - ``lane_max_ranks``: int >= 0, no lane for groups larger than this (``None``: twice the
       node's cores);
-    - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
-      sleep (``None``: 2 ms);
     - ``node_segment_bytes``: int >= 8192, each rank's share of its node's shared-memory
       segment where the native core runs the lane (:mod:`raycoll.transport.segment`;
       ``None``: 4 MiB); a /dev/shm too small for it gets a smaller one, with a warning;
@@ -101,7 +99,6 @@ class GroupOptions:
     transport: Optional[str] = None
     lane_bytes: Optional[int] = None
     lane_max_ranks: Optional[int] = None
-    lane_yield_s: Optional[float] = None
     node_segment_bytes: Optional[int] = None
     segment_spin_s: Optional[float] = None
     stream: bool = True
@@ -162,6 +159,9 @@ _RETIRED = {
                   "between a node's ranks in a group on several nodes): such a group runs "
                   "every step of its collectives on the native executor, over Unix sockets "
                   "inside a node and TCP between nodes; drop the option",
+    "lane_yield_s": "group option 'lane_yield_s' was retired with the Ray-channel lane: a "
+                    "node's ranks wait on the node segment (group option segment_spin_s: how "
+                    "long a wait spins where the ranks fit the cores); drop the option",
 }
 
 
@@ -217,7 +217,6 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "transport": _choice(TRANSPORTS, optional=True),
     "lane_bytes": _count(0),
     "lane_max_ranks": _count(0),
-    "lane_yield_s": _seconds(),
     "node_segment_bytes": _count(8192),
     "segment_spin_s": _seconds(),
     "stream": _flag(optional=False),

@@ -327,7 +327,7 @@ def test_large_collective_with_dead_rank_releases_objects_and_group_recovers(act
         for res in rank_results:
             assert res["ok"] and res["value"] == 6.0 and res["all_equal"], res
     # Streamed: the replacement's channels, and the survivors' for their new set of readers
-    # (Ray frees a channel only when its actor exits; see raycoll.transport.lane).
+    # (Ray frees a channel only when its actor exits).
     channels = 3 * (LANE_BYTES + 512 * 3 + 16384) if stream else 0
     after_bytes, after_objects = _store_settled(base_bytes + channels + 1e6)
     print(f"\nobject store: baseline {base_bytes / 1e6:.1f} MB ({base_objects} objects), during "

@@ -32,7 +32,7 @@ from raycoll.algorithms.schedule import ALGORITHMS, Schedule, Transfer
 from raycoll.algorithms.topology import Topology
 from raycoll.options import SCHEDULED
 from raycoll.reduce_op import ReduceOp, combine
-from raycoll.transport.lane import on_one_host, oversubscribed
+from raycoll.transport.cores import on_one_host, oversubscribed
 
 __all__ = ["ScheduledAlgorithms", "DIRECT"]
 

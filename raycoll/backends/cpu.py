@@ -33,9 +33,9 @@ from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, finalize
 from raycoll.tensors import host_view
 from raycoll.transport.base import PerPeer
-from raycoll.transport.lane import LANE_BYTES, lane_bytes, oversubscribed
+from raycoll.transport.cores import oversubscribed
 
-__all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "lane_bytes", "STREAM_BYTES",
+__all__ = ["ObjstoreBackend", "INLINE_BYTES", "LANE_BYTES", "STREAM_BYTES",
            "DIRECT_BYTES", "DIRECT_MAX_RANKS", "SEGMENT_BYTES"]
 
 #: Everything a rank sends in one step travels inline in the coordinator call up to this size:
@@ -54,6 +54,9 @@ DIRECT_MAX_RANKS = 4
 #: with several threads started per copy, which on a loaded or small machine is several times
 #: slower than one ``memcpy`` per segment (benchmarks/HISTORY.md).
 SEGMENT_BYTES = 8 << 20
+
+#: The most one rank sends in one round (group option ``lane_bytes``).
+LANE_BYTES = 4 << 20
 
 #: A collective too large for one lane message streams through the lane in rounds, each
 #: rank sending at most this much per destination in a round (and at most ``lane_bytes`` in

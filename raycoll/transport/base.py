@@ -27,7 +27,7 @@ the backward pass: benchmarks/HISTORY.md). A transport implements four hooks:
 - ``_shut()`` / ``_release()``: close after a failure (so that late peers fail too) /
   release at the end of the group.
 
-Transports: :mod:`raycoll.transport.lane` (ranks on one node: Ray shared-memory channels)
+Transports: :mod:`raycoll.transport.segment` (ranks on one node: the native node segment)
 and :mod:`raycoll.transport.tcp` (any ranks: direct sockets, also point-to-point). What has
 neither goes through the coordinator and the object store (raycoll.backends.cpu).
 """

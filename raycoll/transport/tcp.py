@@ -63,7 +63,7 @@ from raycoll.transport.links import (
     peer_failure,
     tcp_possible,
 )
-from raycoll.transport.lane import host_ranks, oversubscribed
+from raycoll.transport.cores import host_ranks, oversubscribed
 from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
 from raycoll.transport.native_tcp import NativeSockets, native_sockets_possible
 
