@@ -64,8 +64,10 @@ class GroupTransports:
             ctx = self.ctx
             if ctx.transport in ("auto", "lane") and segment.segment_possible(ctx):
                 self._planned = "lane"
-            elif self.links is not None and ctx.transport in ("tcp", "auto"):
-                self._planned = "tcp"  # across nodes, or too many ranks on one node for the lane
+            elif self.links is not None and ctx.transport in ("tcp", "auto") \
+                    and core is not None and ctx.native:
+                # native sockets: across nodes, or too many ranks on one node for the segment
+                self._planned = "tcp"
             else:
                 self._planned = "store"
         return self._planned
