@@ -4,9 +4,9 @@ Several groups run at once, each on its own actors. Every rank runs rounds of sm
 collectives (all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
 all_to_all_single, a send/recv ring, barrier, all_gather_object, an async all_reduce) and,
 every few rounds, large ones (all_reduce, all_gather_into_tensor, broadcast of ``--large-mb``),
-checking every result. Groups take turns: even-numbered groups stream their large collectives
-through the shared-memory lane (the default), odd-numbered ones put them in the object store
-(group option ``stream=False``), so both paths soak. A warm-up phase comes first; then the driver records the baseline
+checking every result. Groups take turns: even-numbered groups run on the native plane (the
+default: the node segment), odd-numbered ones through the object store (group option
+``transport="store"``, the fallback), so both paths soak. A warm-up phase comes first; then the driver records the baseline
 (object-store bytes once settled, each rank's and the coordinator's RSS), runs the main phase,
 and records them again. Flat means: the object store is back to its baseline and no process
 grew by more than a few MB, and the coordinator's tables hold nothing left over.
@@ -263,7 +263,7 @@ def run(cfg: SoakConfig, log: Any = print) -> SoakReport:
             actors = [worker.remote() for _ in range(cfg.world_size)]
             name = f"soak-{uuid.uuid4().hex[:6]}"
             raycoll.create_group(actors, group_name=name, timeout=600,
-                                 options={"stream": g % 2 == 0})
+                                 options={"transport": "auto" if g % 2 == 0 else "store"})
             teams.append((name, actors))
         coordinators = [find_coordinator(job, name) for name, _ in teams]
         coordinator_pids = ray.get([c.__ray_call__.remote(_coordinator_pid) for c in coordinators],

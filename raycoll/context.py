@@ -225,19 +225,14 @@ class GroupContext:
     # ------------------------------------------------------------------ the round transport
     def gather_round(self, call: Call, payload: Any, sub: int = 0,
                      views: bool = False) -> Optional[List[Any]]:
-        """Every rank's ``payload`` for round ``sub`` of ``call`` (by group rank) through the
-        group's round transport (:mod:`raycoll.transport`), or ``None`` when this group has
-        none (then use :meth:`exchange`); ``views``: see
-        :meth:`raycoll.transport.base.RoundTransport.all_gather`.
-
-        Every rank must make the same calls here for the same collective: the backend calls
-        it only for collectives whose every rank's payload is small, or that it streams in
-        rounds of small payloads, as decided from the arguments the ranks must agree on
-        (their fingerprint). Round 0 decides (and sets up) the transport; later rounds of a
-        call whose round 0 used it always do.
-        """
+        """Every rank's small Python ``payload`` for round ``sub`` of ``call`` (by group rank)
+        through the group's node segment (a join round's sequence numbers), or ``None`` when
+        this group has none (then use :meth:`exchange`); ``views``: see
+        :meth:`raycoll.transport.base.RoundTransport.all_gather`. Every rank must make the
+        same calls here for the same collective. Round 0 decides (and sets up) the
+        transport."""
         plane = self._set_up(call)
-        if plane is False:
+        if not getattr(plane, "is_segment", False):
             return None
         self._note(call, 1, None)
         return plane.all_gather(call, payload, sub, views)
@@ -266,13 +261,13 @@ class GroupContext:
         self._note(call, steps, None)
 
     def sparse_transport(self, call: Call) -> Any:
-        """The group's round transport if it can pair ranks (direct connections: a step of
-        a schedule goes only between the ranks it pairs), else ``None``; the same on every
-        rank. Set up here if this is the group's first collective on it."""
+        """The group's native sockets (direct connections: a step of a schedule goes only
+        between the ranks it pairs), else ``None``; the same on every rank. Set up here if
+        this is the group's first collective on it."""
         if self.planned_transport() != "tcp":
             return None
         plane = self._set_up(call)
-        return plane if plane and plane.sparse else None
+        return plane if plane and getattr(plane, "native", None) is not None else None
 
     def note_algorithm(self, collective: str, algorithm: str) -> None:
         """Remember that this group's last ``collective`` ran ``algorithm`` (for
@@ -384,9 +379,9 @@ class GroupContext:
 
     @property
     def transport_active(self) -> bool:
-        """Whether this group's round transport is set up (the same on every rank between
-        collectives)."""
-        return bool(self._plane)
+        """Whether this group's node segment is set up, which carries rounds of Python
+        payloads (:meth:`gather_round`; the same on every rank between collectives)."""
+        return bool(getattr(self._plane, "is_segment", False))
 
     @property
     def transport_calls(self) -> int:

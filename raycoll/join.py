@@ -9,9 +9,9 @@ that joined last, e.g. to broadcast their final model state).
 
 How it runs here: each iteration is one *join round*, an all-gather of every rank's join
 sequence number (``None`` while it has inputs), like torch's one small all-reduce: on the
-group's round transport when it has one (the shared-memory lane or direct connections:
-every rank computes the answer; the coordinator only hears of each join and of the end, for
-group_status), else on the coordinator (one small round trip). A rank still working posts
+group's node segment when it has one (every rank computes the answer; the coordinator only
+hears of each join and of the end, for group_status), else on the coordinator (one small
+round trip). A rank still working posts
 its round from :meth:`Join.notify_join_context` without waiting for it (it returns a
 :class:`Work`), so the round overlaps the rank's own work; a joined rank waits for the
 round's answer, which says whether ranks are left with inputs (run one shadow round) or

@@ -52,13 +52,12 @@ class GroupOptions:
     Transports (see :mod:`raycoll.transport`):
 
     - ``transport``: ``"auto"``, ``"lane"``, ``"tcp"`` or ``"store"`` (``None``: ``"auto"``);
-      ``"store"`` keeps the group off the shared-memory lane and direct connections;
-    - ``lane_bytes``: int >= 0, the most a rank sends in one round (``None``: 4 MiB, 16 MiB on
-      direct connections); each rank's lane channel is allocated at this size;
-    - ``lane_max_ranks``: int >= 0, no lane for groups larger than this (``None``: twice the
-      node's cores);
-    - ``lane_yield_s``: seconds >= 0 that oversubscribed ranks poll yielding before they
-      sleep (``None``: 2 ms);
+      ``"store"`` keeps the group off the node segment and direct connections (the object
+      store carries its collectives); ``"lane"`` is the node segment;
+    - ``lane_bytes``: int >= 0, the most one step on the node segment carries (``None``: half
+      of a rank's share of the segment; at least 64 bytes a rank);
+    - ``lane_max_ranks``: int >= 0, no node segment for groups larger than this (``None``:
+      the core's limit, 1,024 ranks);
     - ``node_segment_bytes``: int >= 8192, each rank's share of its node's shared-memory
       segment where the native core runs the lane (:mod:`raycoll.transport.segment`;
       ``None``: 4 MiB); a /dev/shm too small for it gets a smaller one, with a warning;
@@ -69,12 +68,11 @@ class GroupOptions:
     The CPU algorithms (:mod:`raycoll.backends.cpu`), mostly to force a choice when
     measuring:
 
-    - ``stream``: ``False`` sends large collectives through the object store even where the
-      group has a lane;
-    - ``stream_bytes``: int >= 1, the most a rank sends each peer in one streamed round
-      (``None``: 1 MiB, 4 MiB on direct connections);
-    - ``inline_bytes``: int >= 0, steps up to this size travel inside the coordinator call
-      (``None``: 96 KiB);
+    - ``stream_bytes``: int >= 1, a schedule over direct connections pipelines a large
+      buffer in pieces of about this size (``None``: 4 MiB); it caps a node segment's step
+      too, as ``lane_bytes`` does;
+    - ``inline_bytes``: int >= 0, steps through the coordinator (the object store, the
+      fallback) up to this size travel inside the coordinator call (``None``: 96 KiB);
     - ``direct_bytes``: int >= 0, and ``direct_max_ranks``: int >= 0, the reach of the
       one-step ``all_reduce`` on one node (``None``: 1 MiB and 4 ranks);
     - ``segment_bytes``: int >= 1, arrays are put as segments of at most this size
@@ -101,10 +99,8 @@ class GroupOptions:
     transport: Optional[str] = None
     lane_bytes: Optional[int] = None
     lane_max_ranks: Optional[int] = None
-    lane_yield_s: Optional[float] = None
     node_segment_bytes: Optional[int] = None
     segment_spin_s: Optional[float] = None
-    stream: bool = True
     stream_bytes: Optional[int] = None
     inline_bytes: Optional[int] = None
     direct_bytes: Optional[int] = None
@@ -162,6 +158,13 @@ _RETIRED = {
                   "between a node's ranks in a group on several nodes): such a group runs "
                   "every step of its collectives on the native executor, over Unix sockets "
                   "inside a node and TCP between nodes; drop the option",
+    "lane_yield_s": "group option 'lane_yield_s' was retired with the Ray-channel lane: a "
+                    "node's ranks wait on the node segment (group option segment_spin_s: how "
+                    "long a wait spins where the ranks fit the cores); drop the option",
+    "stream": "group option 'stream' was retired with the streamed rounds: every collective "
+              "runs on the native executor (the node segment, the native sockets), whatever "
+              "its size; use transport='store' to send a group's collectives through the "
+              "object store",
 }
 
 
@@ -217,10 +220,8 @@ _RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "transport": _choice(TRANSPORTS, optional=True),
     "lane_bytes": _count(0),
     "lane_max_ranks": _count(0),
-    "lane_yield_s": _seconds(),
     "node_segment_bytes": _count(8192),
     "segment_spin_s": _seconds(),
-    "stream": _flag(optional=False),
     "stream_bytes": _count(1),
     "inline_bytes": _count(0),
     "direct_bytes": _count(0),

@@ -203,8 +203,8 @@ class ProcessGroup(ObjectAPI):
 
     @property
     def lane_active(self) -> bool:
-        """Whether the group's round transport is set up (alike on every rank between
-        collectives)."""
+        """Whether the group's node segment is set up, on which join rounds run (alike on
+        every rank between collectives)."""
         return self.context.transport_active
 
     @property
@@ -225,8 +225,8 @@ class ProcessGroup(ObjectAPI):
         return self.context.counters()
 
     def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
-        """Every rank's small ``payload`` for ``call``, by group rank, through the round
-        transport; ``None`` when the group has none."""
+        """Every rank's small ``payload`` for ``call``, by group rank, through the node
+        segment; ``None`` when the group has none."""
         return self.context.gather_round(call, payload)
 
     def report_progress(self, wait_s: float = 0.0) -> None:

@@ -1,5 +1,5 @@
-"""The pure pieces of raycoll.algorithms, without Ray: chunk boundaries, the rounds a stream
-takes, flat views, segment splits, copies and reductions of segments."""
+"""The pure pieces of raycoll.algorithms, without Ray: chunk boundaries, flat views, segment
+splits, copies and reductions of segments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from raycoll.algorithms.direct import round_elems, stream_rounds
 from raycoll.algorithms.flat import (
     array_meta,
     chunk_bounds,
@@ -41,26 +40,6 @@ def test_chunk_bounds_give_the_first_chunks_the_extra_elements() -> None:
 def test_chunk_bounds_refuse_a_part_count_that_is_not_positive(parts: int) -> None:
     with pytest.raises(ValueError, match="parts must be positive"):
         chunk_bounds(10, parts)
-
-
-def test_round_elems_caps_a_part_by_the_round_and_the_stream_size() -> None:
-    # 3 parts in a round of 1200 bytes: 400 bytes each, under the stream cap of 1000
-    assert round_elems(1200, 1000, 4, 3, oversubscribed=False) == 100
-    # 1 part: the stream cap (1000 bytes) binds unless oversubscribed
-    assert round_elems(4000, 1000, 4, 1, oversubscribed=False) == 250
-    assert round_elems(4000, 1000, 4, 1, oversubscribed=True) == 1000
-    # never below one element, whatever the sizes
-    assert round_elems(1, 1, 8, 5, oversubscribed=False) == 1
-
-
-@pytest.mark.parametrize("n,step", [(0, 3), (1, 3), (9, 3), (10, 3), (10, 100)])
-def test_stream_rounds_cover_n_in_steps(n: int, step: int) -> None:
-    rounds = list(stream_rounds(n, step))
-    assert [sub for sub, _, _ in rounds] == list(range(len(rounds)))
-    covered = [i for _, lo, hi in rounds for i in range(lo, hi)]
-    assert covered == list(range(n))
-    assert all(hi - lo <= step for _, lo, hi in rounds)
-    assert len(rounds) == -(-n // step)
 
 
 def test_split_gives_views_of_at_most_segment_bytes_and_spans_locate_them() -> None:

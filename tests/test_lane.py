@@ -1,6 +1,8 @@
-"""The shared-memory lane (raycoll/transport/lane.py): small collectives among ranks on one
-node go through Ray channels instead of the coordinator, with the same results and the same
-errors (mismatches, rejected arguments, ranks on the other path) on every rank, at once."""
+"""The lane of a group on one node (its node segment, raycoll/transport/segment.py): collectives
+among ranks on one node go through it instead of the coordinator, with the same results and
+the same errors (mismatches, rejected arguments, ranks on the other path) on every rank, at
+once. Without the native core a group has no lane (the object store carries its collectives:
+tests/test_collectives.py covers that), so these tests skip there."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import numpy as np
 import pytest
 
 import raycoll
+from raycoll.native import core, native_status
 from raycoll.world import world
+
+pytestmark = pytest.mark.skipif(core is None, reason=f"the lane is the native core's node "
+                                                     f"segment: {native_status()}")
 
 
 def _outcome(fn: Any) -> Any:
@@ -77,37 +83,38 @@ def test_small_collectives_go_through_the_lane_with_the_coordinators_results(ran
 
 def _mismatch_across_paths(rank: int) -> Any:
     _works()  # the lane is set up
-    # rank 0: a small all_reduce (lane); rank 1: one larger than the lane takes, which
-    # (``stream=False``) goes through the coordinator
-    n = 4 if rank == 0 else 600_000
-    got = _outcome(lambda: raycoll.all_reduce(np.ones(n)))
+    # rank 0: an all_reduce (the lane); rank 1: an object collective, which goes through the
+    # coordinator and the object store
+    if rank == 0:
+        got = _outcome(lambda: raycoll.all_reduce(np.ones(4)))
+    else:
+        got = _outcome(lambda: raycoll.all_gather_object([None, None], {"rank": rank}))
     return got, _works(), _works()
 
 
 @pytest.mark.timeout(120)
 def test_lane_rank_and_coordinator_rank_in_one_call_both_get_the_mismatch(ranks):
-    for (kind, message, took), ok, again in ranks.run(_mismatch_across_paths, 2,
-                                                      options={"stream": False}):
+    for (kind, message, took), ok, again in ranks.run(_mismatch_across_paths, 2):
         assert kind == "CollectiveMismatchError", message
-        assert "shape" in message and "(4,)" in message and "(600000,)" in message, message
+        assert "all_reduce" in message and "all_gather_object" in message, message
         assert took < 5.0, took
         assert ok and again
 
 
-def _streamed_mismatch(rank: int) -> Any:
+def _large_mismatch(rank: int) -> Any:
     _works()
-    # both larger than one lane round: both stream, and round 0 shows the mismatch
+    # both larger than one step of the segment: the first step shows the mismatch
     n = 600_000 if rank == 0 else 500_000
     got = _outcome(lambda: raycoll.all_reduce(np.ones(n)))
     big = np.full(700_000, rank + 1.0)
-    raycoll.all_reduce(big)  # the group goes on, streaming
+    raycoll.all_reduce(big)  # the group goes on, in several steps
     return got, bool((big == 3.0).all()), _works()
 
 
 @pytest.mark.timeout(120)
-def test_a_mismatch_in_a_streamed_collective_fails_it_on_every_rank_and_the_group_goes_on(
+def test_a_mismatch_in_a_large_collective_fails_it_on_every_rank_and_the_group_goes_on(
         ranks):
-    results = ranks.run(_streamed_mismatch, 2)
+    results = ranks.run(_large_mismatch, 2)
     for (kind, message, took), big_ok, ok in results:
         assert kind == "CollectiveMismatchError", message
         assert "(600000,)" in message and "(500000,)" in message, message
@@ -122,7 +129,7 @@ def _mismatch_kept(rank: int) -> Any:
     work = raycoll.all_gather_into_tensor(out, inp, async_op=True)
     got = _outcome(work.wait)
     # the failed Work keeps its error (and the error its traceback) while the group goes on:
-    # no view of a peer's channel may stay with them, or that peer could never write again
+    # no view of a peer's buffer may stay with them, or that peer could never write again
     g = np.zeros(4)
     raycoll.all_gather_into_tensor(g, np.full(2, rank + 1.0))
     return got, g.tolist(), _works(), work is not None
@@ -135,7 +142,7 @@ def test_a_failed_lane_collective_kept_by_its_work_does_not_block_the_peers(rank
         assert gathered == [1.0, 1.0, 2.0, 2.0] and ok
 
 
-def _streamed_stall(rank: int) -> Any:
+def _large_stall(rank: int) -> Any:
     _works()
     if rank == 1:
         time.sleep(3.5)
@@ -145,8 +152,8 @@ def _streamed_stall(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_streamed_collective_times_out_naming_the_missing_rank(ranks):
-    kind, message, took = ranks.run(_streamed_stall, 2, timeout=2.0)[0]
+def test_a_large_collective_times_out_naming_the_missing_rank(ranks):
+    kind, message, took = ranks.run(_large_stall, 2, timeout=2.0)[0]
     assert kind == "DistTimeoutError", message
     assert "all_gather_into_tensor #2" in message and "ranks [1] never arrived" in message
     assert 1.9 < took < 8.0, took
@@ -216,9 +223,9 @@ def _two_all_reduces(rank: int) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_re_forming_groups_reuses_the_lane_channels(ranks):
-    """Ray frees a channel's memory only when its actor exits: the lane must reuse channels
-    across groups of the same actors instead of leaking ~100 KiB per peer and formation."""
+def test_re_forming_groups_leaves_nothing_in_the_object_store(ranks):
+    """Groups formed again and again over the same actors leave nothing behind in the
+    object store (no channel, no object per formation)."""
     from helpers import store_used, wait_for
 
     assert ranks.run(_two_all_reduces, 3) == [2, 2, 2]
@@ -360,10 +367,9 @@ def _overlapped_wait_cpu(rank: int) -> Any:
 
 @pytest.mark.timeout(120)
 def test_an_async_collective_waits_without_spinning_while_its_caller_computes(ranks):
-    """3 ranks on 2 cores yield-poll while they wait (``lane_yield_s``, here 1 s, burns a
-    core); an async collective nobody waits for yet sleeps between polls instead, leaving the
-    core to its caller: the process burns far less than the 0.45 s it waited."""
-    out = ranks.run(_overlapped_wait_cpu, 3, options={"lane_yield_s": 1.0})
+    """An async collective nobody waits for yet sleeps between polls (never spins), leaving
+    the core to its caller: the process burns far less than the 0.45 s it waited."""
+    out = ranks.run(_overlapped_wait_cpu, 3)
     assert [x for x, _ in out] == [[6.0] * 4] * 3
     burnt = out[0][1]
     assert burnt < 0.15, f"the waiting async all_reduce burnt {burnt:.3f}s of CPU in 0.45s"

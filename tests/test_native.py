@@ -467,7 +467,7 @@ def test_a_dev_shm_too_small_is_a_clear_error_not_a_sigbus():
 
 # ---------------------------------------------------------------------- sockets
 from raycoll.algorithms.catalog import build  # noqa: E402
-from raycoll.algorithms.executor import simulate  # noqa: E402
+from schedule_reference import simulate  # noqa: E402
 from raycoll.algorithms.native_plans import plan_schedule  # noqa: E402
 from raycoll.algorithms.topology import Topology  # noqa: E402
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import raycoll
+from raycoll.native import core, native_status
 
 OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT", "PREMUL_SUM"]
 
@@ -142,13 +143,12 @@ def _expected_route(case: str, nbytes: int) -> Tuple[str, Any, Tuple[str, ...]]:
         # per-peer puts: two objects (one per peer) in the reduce-scatter step
         "rs_ag-per_peer": ("store", 0, ("objects:2", "objects:1")),
         "inline-coordinator": ("store", 0, ("reduce",)),  # the coordinator reduces
-        "lane": ("lane", 1, ()),
-        # more than one 4 KiB round streams; less fits one
-        "lane-4KiB-streamed": ("lane", "several" if nbytes > 4096 else 1, ()),
-        # too large for a round and not streamed: through the coordinator, inline (and no
-        # collective so far needed a round, so the group has not set its lane up)
-        "lane-4KiB-then-objects": (("undecided", 0, ("reduce",)) if nbytes > 4096
-                                   else ("lane", 1, ())),
+        # the node segment: one step; without the native core, the object store (the
+        # coordinator reduces what is this small)
+        "lane": ("lane", 1, ()) if core is not None else ("store", 0, ("reduce",)),
+        # more than 4 KiB takes several steps of the segment; less fits one
+        "lane-4KiB-steps": (("lane", "several" if nbytes > 4096 else 1, ()) if core is not None
+                            else ("store", 0, ("reduce",))),
     }[case]
 
 
@@ -161,9 +161,8 @@ def _expected_route(case: str, nbytes: int) -> Tuple[str, Any, Tuple[str, ...]]:
     {"all_reduce_algo": "inline", "transport": "store"},
     {},
     {"lane_bytes": 4096},
-    {"lane_bytes": 4096, "stream": False},
 ], ids=["rs_ag-segments", "direct-per_peer-segments", "rs_ag-per_peer", "inline-coordinator",
-        "lane", "lane-4KiB-streamed", "lane-4KiB-then-objects"])
+        "lane", "lane-4KiB-steps"])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
 def test_forced_algorithms_match_numpy(ranks: Any, request: Any, options: Dict[str, Any],
                                        dtype: str) -> None:
@@ -184,13 +183,13 @@ def test_forced_algorithms_match_numpy(ranks: Any, request: Any, options: Dict[s
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(core is None, reason=f"the node segment's steps: {native_status()}")
 @pytest.mark.parametrize("stream_bytes", [1000, 4096])
 @pytest.mark.parametrize("dtype", ["float64", "int32"])
-def test_streamed_rounds_of_any_size_match_numpy(ranks: Any, stream_bytes: int,
-                                                 dtype: str) -> None:
-    """Two ranks fit the cores of any machine CI runs on, so their large collectives stream
-    in rounds of ``stream_bytes`` per destination: rounds that cut chunks, pieces and
-    segments unevenly, and a last round shorter than the others."""
+def test_node_segment_steps_of_any_size_match_numpy(ranks: Any, stream_bytes: int,
+                                                    dtype: str) -> None:
+    """Steps of the node segment capped at ``stream_bytes``: steps that cut chunks, pieces
+    and segments unevenly, and a last step shorter than the others."""
     world, n = 2, 1001
     results = ranks.run(_every_collective, world, world, n, dtype, timeout=120,
                         options={"stream_bytes": stream_bytes})

@@ -28,9 +28,9 @@ def test_every_option_has_a_rule_and_the_defaults_pass_it():
 
 
 def test_a_group_options_is_taken_as_it_is_and_a_dict_becomes_one():
-    given = GroupOptions(lane_bytes=4096, stream=False)
+    given = GroupOptions(lane_bytes=4096, put="per_peer")
     assert GroupOptions.of(given) is given
-    assert GroupOptions.of({"lane_bytes": 4096, "stream": False}) == given
+    assert GroupOptions.of({"lane_bytes": 4096, "put": "per_peer"}) == given
 
 
 def test_options_are_frozen():
@@ -57,14 +57,13 @@ def test_an_unknown_key_without_a_close_match_lists_the_valid_keys():
 def test_options_that_are_not_a_mapping_are_refused():
     with pytest.raises(TypeError, match="options must be a dict of group options or a "
                                         "GroupOptions, got list"):
-        GroupOptions.of([("stream", False)])  # type: ignore[arg-type]
+        GroupOptions.of([("put", "auto")])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name,value", [
     ("transport", "udp"), ("transport", 1), ("lane_bytes", -1),
     ("lane_bytes", "4M"), ("lane_bytes", True), ("lane_bytes", 4096.0), ("lane_max_ranks", -1),
-    ("lane_yield_s", -0.5), ("lane_yield_s", float("nan")), ("lane_yield_s", "1"),
-    ("stream", "yes"), ("stream_bytes", 0), ("inline_bytes", -1), ("direct_bytes", 1.5),
+    ("stream_bytes", 0), ("inline_bytes", -1), ("direct_bytes", 1.5),
     ("direct_max_ranks", False), ("segment_bytes", 0), ("all_reduce_algo", "binomial"),
     ("put", None), ("put", "sometimes"), ("nccl_blocking_wait", 1),
 ])
@@ -77,7 +76,7 @@ def test_a_bad_value_names_the_option_what_was_expected_and_what_came(name: str,
 
 @pytest.mark.parametrize("name,value", [
     ("transport", "tcp"), ("transport", "store"), ("lane_bytes", 0), ("lane_max_ranks", 0),
-    ("lane_yield_s", 0), ("lane_yield_s", 0.25), ("stream", False), ("stream_bytes", 1),
+    ("stream_bytes", 1),
     ("inline_bytes", 0), ("direct_bytes", 0), ("direct_max_ranks", 8), ("segment_bytes", 1),
     ("all_reduce_algo", "rs_ag"), ("put", "per_peer"), ("nccl_blocking_wait", False),
 ])
@@ -98,11 +97,18 @@ def test_the_transport_option_and_the_removed_lane_spelling():
         GroupOptions(lane=False)  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize("value", [True, False, None])
-def test_the_retired_node_lanes_option_names_what_replaced_it(value):
-    with pytest.raises(ValueError, match=r"'node_lanes' was retired with the node lanes .*"
-                                         r"native executor.*drop the option"):
-        GroupOptions.of({"node_lanes": value})
+@pytest.mark.parametrize("name,value,says", [
+    ("node_lanes", True, r"'node_lanes' was retired with the node lanes .*native executor.*"
+                         r"drop the option"),
+    ("node_lanes", None, r"'node_lanes' was retired"),
+    ("lane_yield_s", 0.25, r"'lane_yield_s' was retired with the Ray-channel lane.*"
+                           r"segment_spin_s.*drop the option"),
+    ("stream", False, r"'stream' was retired with the streamed rounds: every collective runs "
+                      r"on the native executor.*use transport='store'"),
+])
+def test_a_retired_option_names_what_replaced_it(name: str, value: Any, says: str):
+    with pytest.raises(ValueError, match=says):
+        GroupOptions.of({name: value})
 
 
 # ---------------------------------------------------------------------- on Ray
@@ -135,8 +141,8 @@ def test_a_dict_and_a_group_options_both_reach_every_rank(ranks: Any, given: Any
 @pytest.mark.timeout(120)
 def test_the_pool_refuses_a_bad_option_before_it_forms_a_group(ranks: Any):
     groups = raycoll.launch.DRIVER_GROUPS.names(raycoll.session.current())
-    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
-        ranks.run(_seen, 2, options={"strem": False})
+    with pytest.raises(ValueError, match=r"unknown group option 'stream_byts'.*did you mean 'stream_bytes'"):
+        ranks.run(_seen, 2, options={"stream_byts": 4096})
     with pytest.raises(TypeError, match=r"options must be a dict of group options"):
         ranks.run(_seen, 2, options=["transport"])
     assert raycoll.launch.DRIVER_GROUPS.names(raycoll.session.current()) == groups
@@ -146,8 +152,8 @@ def test_the_pool_refuses_a_bad_option_before_it_forms_a_group(ranks: Any):
 def test_create_group_refuses_an_unknown_option_before_anything_starts(rank_actors: List[Any],
                                                                        ranks: Any):
     name = f"opts-{uuid.uuid4().hex[:8]}"
-    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
-        raycoll.create_group(rank_actors[:2], group_name=name, options={"strem": False})
+    with pytest.raises(ValueError, match=r"unknown group option 'stream_byts'.*did you mean 'stream_bytes'"):
+        raycoll.create_group(rank_actors[:2], group_name=name, options={"stream_byts": 4096})
     with pytest.raises(ValueError, match=r"group option lane_bytes: expected an int >= 0"):
         raycoll.create_group(rank_actors[:2], group_name=name, options={"lane_bytes": -4})
     # nothing was left behind: the name forms at once
@@ -178,8 +184,8 @@ def test_spawn_refuses_a_bad_option_before_any_actor_starts(ray_local: Any):
     """Checked first, as in create_group: the resources asked for here can never be
     scheduled, and the option's error, not that one, is what comes back."""
     never = {"num_cpus": 0, "resources": {"no-such-resource": 1}}
-    with pytest.raises(ValueError, match=r"unknown group option 'strem'.*did you mean 'stream'"):
-        raycoll.spawn(_seen, 2, options={"strem": False}, actor_options=never)
+    with pytest.raises(ValueError, match=r"unknown group option 'stream_byts'.*did you mean 'stream_bytes'"):
+        raycoll.spawn(_seen, 2, options={"stream_byts": 4096}, actor_options=never)
     with pytest.raises(ValueError, match=r"group option lane_bytes: expected an int >= 0"):
         raycoll.spawn(_seen, 2, options={"lane_bytes": -4}, actor_options=never)
     with pytest.raises(TypeError, match=r"options must be a dict of group options"):

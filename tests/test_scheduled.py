@@ -16,6 +16,7 @@ import ray
 from helpers import every_op
 
 import raycoll
+from raycoll.native import core, native_status
 from raycoll.algorithms.catalog import build
 from raycoll.algorithms.counters import expected
 from raycoll.algorithms.schedule import ALGORITHMS
@@ -27,6 +28,11 @@ SCHEDULED = {c: [a for a in algos if a not in ("direct", "direct_rsag")]
 OPTION = {"all_reduce": "all_reduce_algo", "reduce_scatter": "reduce_scatter_algo",
           "all_gather": "all_gather_algo", "broadcast": "broadcast_algo",
           "reduce": "reduce_algo"}
+
+
+pytestmark = pytest.mark.skipif(core is None,
+                                reason=f"schedules run on the native sockets: {native_status()}")
+
 
 
 @pytest.fixture(scope="module")

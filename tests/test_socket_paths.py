@@ -12,9 +12,15 @@ import numpy as np
 import pytest
 
 import raycoll
+from raycoll.native import core, native_status
 from raycoll.world import world
 
 TCP = {"transport": "tcp"}
+
+
+pytestmark = pytest.mark.skipif(core is None,
+                                reason=f"the native executor's paths: {native_status()}")
+
 
 
 def _python_round_sockets() -> int:

@@ -1,9 +1,13 @@
-"""The cpu backend's collectives as *steps* through the coordinator: a step is one
-round trip to the coordinator (:meth:`GroupContext.exchange`), which matches the ranks'
-arrivals and routes what each rank sends to each other rank: inline in the call when small,
-else references to objects in Ray's object store (one object per step on one node, one per
-destination across nodes). Readers map the objects zero-copy and reduce or copy straight
-from them into the output buffer. The design: ``docs/transports.md``.
+"""The cpu backend's fallback: collectives as *steps* through the coordinator and the Ray
+object store, where a group has no native path (no native core on some rank, another
+platform, ``transport="store"``) or a call has none (a dtype and op the core does not reduce,
+parts of several sizes across direct connections).
+
+A step is one round trip to the coordinator (:meth:`GroupContext.exchange`), which matches
+the ranks' arrivals and routes what each rank sends to each other rank: inline in the call
+when small, else references to objects in Ray's object store (one object per step on one
+node, one per destination across nodes). Readers map the objects zero-copy and reduce or copy
+straight from them into the output buffer. The design: ``docs/transports.md``.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import ray
 
 from raycoll.algorithms.flat import (
     Segments,
+    array_meta,
+    chunk_bounds,
     copy_into,
     flat_in,
+    flat_out,
     reduce_into,
     reduce_received,
     spans,
@@ -45,6 +52,10 @@ class StoreSteps:
     segment_bytes: int
     #: one object per step for all destinations (else one per destination)
     combined: bool
+    #: the one-step ``all_reduce``'s reach on one node, and a forced algorithm (or ``None``)
+    direct_bytes: int
+    direct_max_ranks: int
+    algo: Optional[str]
 
     def _put(self, arrays: Sequence[np.ndarray]) -> Tuple[Any, List[Tuple[int, int]]]:
         """One object holding ``arrays`` as flat segments; each array's segment range."""
@@ -171,3 +182,90 @@ class StoreSteps:
         del terms
         finalize(op, flat, size)
         del sent
+
+    # ------------------------------------------------------------------ whole collectives
+    def _all_reduce_algo(self, nbytes: int) -> str:
+        """The steps of an ``all_reduce`` (and ``reduce``) of ``nbytes``: ``"inline"`` (the
+        coordinator reduces), ``"direct"`` (one step, every rank reduces all) or ``"rs_ag"``
+        (reduce-scatter, then all-gather)."""
+        size = self.ctx.size
+        if size == 1 or (self.algo is None and nbytes <= self.inline_bytes):
+            return "inline"
+        if self.algo is not None:
+            return self.algo
+        if size == 2 or (self.ctx.single_node and (nbytes <= self.direct_bytes
+                                                   or size <= self.direct_max_ranks)):
+            return "direct"
+        return "rs_ag"
+
+    def _store_all_reduce(self, flat: np.ndarray, op: ReduceOp, call: Call) -> None:
+        algo = self._all_reduce_algo(flat.nbytes)
+        if algo == "inline":
+            np.copyto(flat, self.ctx.exchange(call, 0, flat, mode="reduce"))
+        elif algo == "direct":
+            self._direct_all_reduce(flat, op, call)
+        else:
+            size, me = self.ctx.size, self.ctx.rank
+            bounds = chunk_bounds(flat.size, size)
+            chunks = [flat[bounds[j]:bounds[j + 1]] for j in range(size)]
+            sent = self._store_reduce_scatter(chunks, chunks[me], op, call, 0)
+            self._store_gather(chunks[me], chunks, call, 1)
+            del sent
+
+    def _store_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> None:
+        me, size = self.ctx.rank, self.ctx.size
+        src = flat_in(arr)
+        if self._all_reduce_algo(arr.nbytes) == "inline":
+            result = self.ctx.exchange(call, 0, src, mode="reduce", root=dst)
+            if me == dst:
+                with flat_out(arr) as flat:
+                    np.copyto(flat, result)
+            return
+        bounds = chunk_bounds(src.size, size)
+        chunks = [src[bounds[j]:bounds[j + 1]] for j in range(size)]
+        if me == dst:
+            with flat_out(arr) as flat:
+                outs = [flat[bounds[j]:bounds[j + 1]] for j in range(size)]
+                sent = self._store_reduce_scatter(chunks, outs[me], op, call, 0)
+                self._store_gather(outs[me], outs, call, 1, root=dst)
+        else:
+            mine = np.empty_like(chunks[me])
+            sent = self._store_reduce_scatter(chunks, mine, op, call, 0)
+            self._store_gather(mine, [], call, 1, root=dst)
+        del sent
+
+    def _store_broadcast(self, arr: np.ndarray, src: int, call: Call) -> None:
+        me, size = self.ctx.rank, self.ctx.size
+        if me == src:
+            sent = self._publish_same(arr, [j for j in range(size) if j != me])
+            self.ctx.exchange(call, 0, sent)
+            return
+        received = self._fetch(self.ctx.exchange(call, 0, None), call)
+        copy_into(arr, received[src])
+        del received
+
+    def _store_scatter(self, out: np.ndarray, arrays: Sequence[np.ndarray], src: int,
+                       call: Call) -> None:
+        me, size = self.ctx.rank, self.ctx.size
+        if me == src:
+            sent = self._publish({j: arrays[j] for j in range(size) if j != me})
+            self.ctx.exchange(call, 0, sent)
+            copy_into(out, [flat_in(arrays[me])])
+            return
+        received = self._fetch(self.ctx.exchange(call, 0, None), call)
+        copy_into(out, received[src])
+        del received
+
+    def _store_all_to_all(self, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray],
+                          call: Call) -> None:
+        """Every rank's ``ins[j]`` into rank j's ``outs[me]``; the coordinator checks that
+        every pair agrees on its piece's shape and dtype."""
+        me, size = self.ctx.rank, self.ctx.size
+        sent = self._publish({j: ins[j] for j in range(size) if j != me})
+        got = self.ctx.exchange(call, 0, sent, send_meta=[array_meta(a) for a in ins],
+                                recv_meta=[array_meta(a) for a in outs])
+        copy_into(outs[me], [flat_in(ins[me])])
+        received = self._fetch(got, call)
+        for s, segs in received.items():
+            copy_into(outs[s], segs)
+        del received

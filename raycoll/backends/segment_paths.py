@@ -27,22 +27,15 @@ class SegmentPaths:
     of it: they read its group context)."""
 
     ctx: GroupContext
-    stream: bool
-    round_bytes: int
-    reduce_round_bytes: int
 
-    def _segment(self, call: Call, nbytes: int = 0, limit: int = 0) -> Any:
+    def _segment(self, call: Call) -> Any:
         """The group's node segment (set up in ``call`` if this is its first collective), or
-        ``None``: where it has none, and, with the option ``stream=False`` (large collectives
-        through the object store), for a collective whose ``nbytes`` a rank sends pass
-        ``limit`` (the same on every rank)."""
-        if not self.stream and nbytes > limit:
-            return None
+        ``None`` where it has none (the same on every rank)."""
         return self.ctx.native_lane(call)
 
     def _seg_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call,
                         root: int = -1) -> bool:
-        lane = self._segment(call, arr.nbytes, self.reduce_round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         with flat_out(arr) as flat:
@@ -51,7 +44,7 @@ class SegmentPaths:
 
     def _seg_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
                             call: Call) -> bool:
-        lane = self._segment(call, out.nbytes * (self.ctx.size - 1), self.round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         with flat_out(out) as flat:
@@ -59,7 +52,7 @@ class SegmentPaths:
         return True
 
     def _seg_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
-        lane = self._segment(call, arr.nbytes, self.round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         with flat_out(arr) as flat:
@@ -69,7 +62,7 @@ class SegmentPaths:
     def _seg_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                     root: Optional[int]) -> bool:
         """all_gather (``root=None``) or gather of ``mine`` into the list ``outs``."""
-        lane = self._segment(call, mine.nbytes, self.round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         src = flat_in(mine)
@@ -82,7 +75,7 @@ class SegmentPaths:
         return True
 
     def _seg_gather_into(self, mine: np.ndarray, output: np.ndarray, call: Call) -> bool:
-        lane = self._segment(call, mine.nbytes, self.round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         with flat_out(output) as flat:
@@ -91,7 +84,7 @@ class SegmentPaths:
 
     def _seg_scatter(self, out: np.ndarray, inputs: Optional[List[Any]], src: int,
                      call: Call, view: Any) -> bool:
-        lane = self._segment(call, out.nbytes * (self.ctx.size - 1), self.round_bytes)
+        lane = self._segment(call)
         if lane is None:
             return False
         pieces = [flat_in(view(t)) for t in inputs or []] if self.ctx.rank == src else []

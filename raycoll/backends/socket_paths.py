@@ -1,7 +1,7 @@
 """The cpu backend's gather, scatter and all_to_all on the native executor over a group's
 direct connections (a group on several nodes, or ``transport="tcp"``): one call of the core
 a collective, each piece a message straight from its array into its destination
-(:func:`raycoll.algorithms.native_plans.plan_exchange`), where these ran as Python rounds.
+(:func:`raycoll.algorithms.native_plans.plan_exchange`), where these once ran as Python rounds.
 
 - **gather**: every rank sends its tensor to the root, which receives each straight into its
   list's array; **scatter** the other way. Every rank's fingerprint holds the shape, dtype
@@ -12,7 +12,7 @@ a collective, each piece a message straight from its array into its destination
   the same ``CollectiveMismatchError`` (the group goes on) or all move the pieces in step 1.
 
 Each method returns ``False`` (nothing done) where the group has no native direct
-connections, the same on every rank; the backend then takes its other paths.
+connections, the same on every rank; the backend then takes the object store.
 """
 
 from __future__ import annotations
@@ -46,15 +46,11 @@ class SocketPaths:
     (a base class of it: they read its group context)."""
 
     ctx: GroupContext
-    stream: bool
-    round_bytes: int
 
-    def _sockets(self, call: Call, nbytes: int = 0) -> Any:
+    def _sockets(self, call: Call) -> Any:
         """The group's direct connections if they run natively (set up in ``call`` if this
-        is the group's first collective), else ``None``; also ``None`` with the option
-        ``stream=False`` for a collective of more than a round's bytes (the same on every
-        rank)."""
-        if self.ctx.size < 2 or (not self.stream and nbytes > self.round_bytes):
+        is the group's first collective), else ``None`` (the same on every rank)."""
+        if self.ctx.size < 2:
             return None
         plane = self.ctx.sparse_transport(call)
         return plane if getattr(plane, "native", None) is not None else None
@@ -67,7 +63,7 @@ class SocketPaths:
     def _net_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                     root: int) -> bool:
         """gather of ``mine`` into ``root``'s list ``outs``."""
-        plane = self._sockets(call, mine.nbytes)
+        plane = self._sockets(call)
         if plane is None:
             return False
         me, size = self.ctx.rank, self.ctx.size
@@ -88,7 +84,7 @@ class SocketPaths:
                      call: Call) -> bool:
         """scatter of ``src``'s ``pieces`` into every rank's ``out``."""
         size = self.ctx.size
-        plane = self._sockets(call, out.nbytes * (size - 1))
+        plane = self._sockets(call)
         if plane is None:
             return False
         me = self.ctx.rank
@@ -110,7 +106,7 @@ class SocketPaths:
         """One step in which every rank sends every peer a message and reads every peer's
         (``_EMPTY`` for ``sends`` or ``recvs``: empty ones to or from every peer): every rank
         then meets every other's call, so a rank that rejected its arguments, or holds a
-        different call, fails the call on every rank alike, as the Python rounds did."""
+        different call, fails the call on every rank alike."""
         peers = [j for j in range(self.ctx.size) if j != self.ctx.rank]
         if sends is _EMPTY:
             sends = [(j, _SCRATCH, 0, 0) for j in peers]

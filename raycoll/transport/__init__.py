@@ -2,7 +2,8 @@
 
 - :mod:`raycoll.transport.base`: the round interface every CPU algorithm is written against,
   and the round loop, fingerprint checks and waiting policy all transports share;
-- :mod:`raycoll.transport.lane`: ranks on one node, through Ray shared-memory channels;
+- :mod:`raycoll.transport.segment`: ranks on one node, through the native core's node segment;
+- :mod:`raycoll.transport.cores`: whether a node's ranks fit its cores (whether waits spin);
 - :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes): collective rounds,
   built on :mod:`~raycoll.transport.frames` (the wire format), :mod:`~raycoll.transport.links`
   (the listener and a group's connections) and :mod:`~raycoll.transport.mailbox` (point to

@@ -6,22 +6,9 @@ what each algorithm should cost, so a test compares the two."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Sequence, Set
+from typing import Dict, Sequence, Set
 
-import numpy as np
-
-__all__ = ["COUNTER_NAMES", "Counters", "payload_bytes"]
-
-
-def payload_bytes(payload: Any) -> int:
-    """The bytes of the arrays in ``payload`` (nested lists, tuples, dicts)."""
-    if isinstance(payload, np.ndarray):
-        return payload.nbytes
-    if isinstance(payload, (list, tuple)):
-        return sum(payload_bytes(p) for p in payload)
-    if isinstance(payload, dict):
-        return sum(payload_bytes(p) for p in payload.values())
-    return 0
+__all__ = ["COUNTER_NAMES", "Counters"]
 
 
 #: The per-rank counters, in the order :meth:`Counters.as_dict` lists them.

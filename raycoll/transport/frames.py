@@ -5,7 +5,8 @@ A frame is ``header (magic, meta length, buffer count) | meta | buffer lengths |
 The meta is a small pickle whose arrays travel as raw buffers: a sender hands the kernel its
 arrays' memory (``sendmsg``, no copy), a receiver reads them straight into their destination
 (``recv_into``). A garbled frame (bad magic, absurd sizes) raises :class:`FrameError`.
-The shared-memory lane writes its small messages as whole frames too (``decode_frame``).
+The node segment carries its rounds of Python payloads as whole frames too
+(``encode_round``, ``decode_frame``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["FrameError", "PeerClosed", "PeerLeft", "BYE", "ABORT", "GOODBYES", "encode_round",
-           "decode_round", "decode_frame", "encode_raw", "Writer", "Reader", "Placer", "Scratch",
+           "decode_round", "decode_frame", "encode_raw", "Writer", "Reader", "Placer",
            "fresh_buffers"]
 
 _FRAME_MAGIC = 0x5243
@@ -27,7 +28,6 @@ _HDR = struct.Struct("!HII")
 _MAX_META = 64 << 20
 _MAX_BUFS = 1 << 16
 _LEN = struct.Struct("!Q")
-_ALIGN = 64
 #: At most this many pieces go to the kernel in one ``sendmsg`` (IOV_MAX is 1024).
 _IOV = 512
 
@@ -250,41 +250,6 @@ class Reader:
         out = (self._meta, self._bufs)
         self._reset()
         return out
-
-
-class Scratch:
-    """A reusable receive buffer (arrays read from it are views, valid until its next use).
-
-    It grows to the largest message (doubling), and gives a spike back: after
-    ``SHRINK_AFTER`` messages in a row that used at most a quarter of it (and it holds more
-    than ``KEEP_BYTES``), the next one gets a buffer of its own size."""
-
-    SHRINK_AFTER = 8
-    KEEP_BYTES = 1 << 20
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, dtype=np.uint8)
-        self._small = 0  # messages in a row that used at most a quarter of the buffer
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes this buffer holds now."""
-        return self._buf.nbytes
-
-    def place(self, _meta: bytes, lens: List[int]) -> List[memoryview]:
-        offsets, total = [], 0
-        for n in lens:
-            offsets.append(total)
-            total += -(-n // _ALIGN) * _ALIGN
-        held = self._buf.nbytes
-        self._small = self._small + 1 if 4 * total <= held and held > self.KEEP_BYTES else 0
-        if held < total:  # a new one: views of the old may still be alive
-            self._buf = np.empty(max(total, 2 * held), dtype=np.uint8)
-        elif self._small > self.SHRINK_AFTER:
-            self._buf = np.empty(total, dtype=np.uint8)
-            self._small = 0
-        view = self._buf.data
-        return [view[o:o + n] for o, n in zip(offsets, lens)]
 
 
 def fresh_buffers(_meta: bytes, lens: List[int]) -> List[memoryview]:

@@ -50,7 +50,7 @@ from raycoll.tensors import dtype_name
 from raycoll.transport.base import REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.frames import decode_frame, encode_round
-from raycoll.transport.lane import oversubscribed
+from raycoll.transport.cores import oversubscribed
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import GroupContext

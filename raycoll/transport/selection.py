@@ -2,9 +2,9 @@
 
 A group picks its round transport once, inside its first collective that can use one, the
 same on every rank from what they all know (the group option ``transport``, the ranks' nodes
-and addresses): the shared-memory lane (all ranks on this node; set up by one exchange of the
-ranks' channels as step 0 of that collective), direct connections (ranks on several nodes,
-more ranks on one node than the lane takes, or ``transport="tcp"``), or none (then
+and addresses): the node segment (all ranks on this node and the native core on every rank;
+set up through the coordinator in that collective), direct connections (ranks on several
+nodes, more ranks on one node than the segment takes, or ``transport="tcp"``), or none (then
 collectives go through the coordinator and the object store). The group's direct connections also carry its point-to-point messages.
 
 :class:`GroupTransports` is what a group's :class:`~raycoll.context.GroupContext` is given
@@ -14,12 +14,12 @@ transport, never imports one.
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from raycoll.native import core
-from raycoll.transport import lane, segment
+from raycoll.transport import segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
+from raycoll.transport.cores import oversubscribed
 from raycoll.transport.pipes import PairPipes
 from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
                                    tcp_possible)
@@ -62,11 +62,12 @@ class GroupTransports:
         up: then every rank goes to the store together.)"""
         if self._planned is None:  # what decides it does not change: once per group
             ctx = self.ctx
-            if ctx.transport in ("auto", "lane") and (segment.segment_possible(ctx)
-                                                     or lane.lane_possible(ctx)):
+            if ctx.transport in ("auto", "lane") and segment.segment_possible(ctx):
                 self._planned = "lane"
-            elif self.links is not None and ctx.transport in ("tcp", "auto"):
-                self._planned = "tcp"  # across nodes, or too many ranks on one node for the lane
+            elif self.links is not None and ctx.transport in ("tcp", "auto") \
+                    and core is not None and ctx.native:
+                # native sockets: across nodes, or too many ranks on one node for the segment
+                self._planned = "tcp"
             else:
                 self._planned = "store"
         return self._planned
@@ -83,25 +84,11 @@ class GroupTransports:
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
         ctx = self.ctx
-        if segment.segment_possible(ctx):  # the native core: the node segment
-            seg = segment.set_up_segment(ctx, call)
-            if seg is not None:
-                return seg
-            ctx.skip_setup_step(call)
-            return TcpTransport(ctx, self.links) if self.links is not None else False
-        mine = lane.open_channel(ctx)
-        epoch = uuid.uuid4().hex
-        try:
-            got = ctx.setup_exchange(call, [(mine, epoch)] * ctx.size)
-        except BaseException:
-            lane.release_channel(ctx, mine)
-            raise
-        if any(c is None for c, _ in got) or mine is None:
-            lane.release_channel(ctx, mine)
-            ctx.skip_setup_step(call)
-            return False
-        peers = {j: c for j, (c, _) in enumerate(got) if j != ctx.rank}
-        return lane.LaneTransport(ctx, mine, peers, epoch=got[0][1])
+        seg = segment.set_up_segment(ctx, call)
+        if seg is not None:
+            return seg
+        ctx.skip_setup_step(call)
+        return TcpTransport(ctx, self.links) if self.links is not None else False
 
     def mailbox(self) -> Optional[Union[Mailbox, PairPipes]]:
         """The group's point-to-point mailbox: the native core's pair pipes where every rank
@@ -114,13 +101,13 @@ class GroupTransports:
             self._mailbox = PairPipes(group=ctx.group_name, rank=ctx.rank,
                                       global_ranks=ctx.global_ranks, secret=ctx.secret,
                                       check=ctx.p2p_check, explain=self._p2p_explain,
-                                      crowded=lane.oversubscribed(ctx.size))
+                                      crowded=oversubscribed(ctx.size))
         if self._mailbox is None and self.links is not None:
             ctx = self.ctx
             self._mailbox = Mailbox(self.links, group=ctx.group_name,
                                     global_ranks=ctx.global_ranks, check=ctx.p2p_check,
                                     explain=self._p2p_explain,
-                                    spin_s=0.0 if lane.oversubscribed(ctx.size) else P2P_SPIN_S)
+                                    spin_s=0.0 if oversubscribed(ctx.size) else P2P_SPIN_S)
         return self._mailbox
 
     def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:

@@ -1,4 +1,6 @@
-"""Run a :class:`~raycoll.algorithms.schedule.Schedule` on arrays.
+"""The tests' reference for schedules: run a :class:`~raycoll.algorithms.schedule.Schedule`
+on arrays in Python (the library runs schedules only on its native executor; this is what
+the tests compare schedules and native plans with).
 
 :func:`execute` runs one rank's part of a schedule over a :class:`PeerTransport` (``send`` an
 array to a peer, ``recv`` one from a peer), so any transport that keeps per-pair order can
