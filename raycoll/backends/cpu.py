@@ -25,6 +25,7 @@ from raycoll.algorithms.flat import array_meta, chunk_bounds, copy_into, flat_in
 from raycoll.algorithms.direct import DirectAlgorithms
 from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
+from raycoll.backends.node_paths import NodePaths
 from raycoll.backends.segment_paths import SegmentPaths
 from raycoll.backends.socket_paths import SocketPaths
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
@@ -69,7 +70,7 @@ TCP_ROUND_BYTES = 16 << 20
 TCP_STREAM_BYTES = 4 << 20
 
 
-class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgorithms,
+class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgorithms,
                      StoreSteps, CollectiveBackend):
     """CPU collectives in rounds of the group's round transport, else in steps through the
     coordinator and the Ray object store (see the module docstring)."""
@@ -155,7 +156,7 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, DirectAlgo
         if self.ctx.size == 1:
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
-        if self._seg_all_reduce(arr, op, call):
+        if self._seg_all_reduce(arr, op, call) or self._node_all_reduce(arr, op, call):
             return
         with flat_out(arr) as flat:
             if self._scheduled("all_reduce", flat, op, call):

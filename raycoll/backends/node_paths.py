@@ -1,0 +1,112 @@
+"""The cpu backend's hierarchical paths for a group on several nodes: the node segment
+inside each node and sockets between nodes, in one plan run by one call of the native
+executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`).
+
+Taken where the group may have node segments (``node_segment_possible``: the native core on
+every rank, several nodes, ``transport="auto"``, a node with 2+ of its ranks), the op and
+dtype are ones the core reduces, no algorithm is forced for the collective (a forced one
+runs as the socket schedule it names), and the cost model prices the plan below the socket
+schedule it would pick: the plan is priced as the ``hierarchical`` schedule with its steps
+inside a node on the segment's link class (``lane``), the schedule on Unix sockets
+(``unix``). The node segments are set up inside the first collective that takes the path.
+Each method returns ``False`` (nothing done, the same on every rank) where the path is not
+taken; the backend then takes its other paths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from raycoll.algorithms import node_plans
+from raycoll.algorithms.cost import predict
+from raycoll.algorithms.flat import flat_out
+from raycoll.algorithms.topology import Topology
+from raycoll.context import Call, GroupContext
+from raycoll.native import core, dtype_code, op_code
+from raycoll.reduce_op import ReduceOp
+from raycoll.transport.node_segment import (NodeSegment, node_segment_possible,
+                                            set_up_node_segment)
+
+__all__ = ["NodePaths", "NODE_ALGORITHM"]
+
+#: The algorithm's name in ``last_route`` and ``group_status``.
+NODE_ALGORITHM = "node_hierarchical"
+
+
+class NodePaths:
+    """The hierarchical paths of :class:`~raycoll.backends.cpu.ObjstoreBackend` (a base class
+    of it: they read its group context, its cost model and its forced algorithms)."""
+
+    ctx: GroupContext
+    forced: Dict[str, Optional[str]]
+    cost_model: Any
+    topology: Topology
+    oversubscribed: bool
+    stream: bool
+    reduce_round_bytes: int
+
+    #: the group's node segments: ``None`` until set up, ``False`` where it has none
+    _node: Any = None
+
+    if TYPE_CHECKING:  # (ScheduledAlgorithms's, later in the backend's bases)
+        def algorithm(self, collective: str, nbytes: int, itemsize: int,
+                      root: int = 0) -> str: ...
+
+    def _node_plane(self, call: Call, collective: str, nbytes: int, itemsize: int) -> Any:
+        """The group's sockets and node segments if ``collective`` of ``nbytes`` takes the
+        hierarchical path (set up in ``call`` the first time), else ``None``."""
+        ctx = self.ctx
+        if self._node is False or nbytes == 0 or self.forced.get(collective) is not None \
+                or not node_segment_possible(ctx) \
+                or (not self.stream and nbytes > self.reduce_round_bytes):
+            return None
+        plane = ctx.sparse_transport(call)
+        if plane is None or getattr(plane, "native", None) is None:
+            return None
+        if self._node is None:
+            self._node = set_up_node_segment(ctx, call) or False
+            if self._node is False:
+                return None
+        return plane
+
+    def _node_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call) -> bool:
+        """all_reduce of ``arr`` with ``op`` as one hierarchical plan."""
+        if self.ctx.size < 3 or not _reduces(arr, op):
+            return False
+        plane = self._node_plane(call, "all_reduce", arr.nbytes, arr.itemsize)
+        if plane is None:
+            return False
+        native = plane.native
+        with flat_out(arr) as flat:
+            codes = native.codes(flat, op)
+            node: NodeSegment = self._node
+            finish = op.name in ("AVG", "PREMUL_SUM")
+            plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
+                                         self.ctx.rank, node.half, finish)
+            native.run(call, plan, flat, codes, op, node=node)
+            plane._done = (call.op, call.seq)
+            plane.calls += 1
+            plane.report()
+        self.ctx.note_algorithm("all_reduce", NODE_ALGORITHM)
+        self.ctx.note_rounds(call, plan.rounds, NODE_ALGORITHM)
+        return True
+
+    def close(self) -> None:
+        """Unmap this rank's node segment, then release the rest."""
+        if self._node:
+            self._node.close()
+        self._node = False
+        super().close()  # type: ignore[misc]
+
+
+def _reduces(arr: np.ndarray, op: ReduceOp) -> bool:
+    """Whether the core reduces ``arr``'s dtype with ``op`` (as the sockets' runs check it;
+    alike on every rank: dtype and op are in the fingerprint)."""
+    if core is None:
+        return False
+    code = dtype_code(arr.dtype)
+    if code is None or (arr.dtype.kind == "c" and op.name != "SUM"):
+        return False
+    return bool(core.supported(code, op_code(op.name)))
