@@ -101,6 +101,55 @@ def test_all_reduce_every_op_and_dtype_small_and_streamed(two_nodes, layout):
             ray.kill(a)
 
 
+def _move_every_case(rank, sizes):
+    """broadcast from every root and all_gather (list, and into one tensor) of each size;
+    the results and the algorithm each call took."""
+    from raycoll.world import world as the_world
+
+    group = the_world().default
+    w = raycoll.get_world_size()
+    out = []
+    for n in sizes:
+        for root in range(w):
+            x = data(rank, (n,), "float32", salt=root)
+            raycoll.broadcast(x, src=root)
+            out.append((x, group.last_route.algorithm))
+        mine = data(rank, (n,), "int64")
+        lst = [np.empty(n, dtype=np.int64) for _ in range(w)]
+        raycoll.all_gather(lst, mine)
+        out.append((np.concatenate(lst), group.last_route.algorithm))
+        whole = np.empty(n * w, dtype=np.int64)
+        raycoll.all_gather_into_tensor(whole, mine)
+        out.append((whole, group.last_route.algorithm))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_broadcast_and_all_gather_node_aware(two_nodes, layout):
+    """broadcast from every root and all_gather, small and streamed through a small
+    segment: right against numpy, on the node-aware plans."""
+    sizes = (3, 30_001)
+    actors = _actors(layout)
+    try:
+        results = run_on(actors, _move_every_case, (sizes,), timeout=240,
+                         group_name=f"node-seg-move-{layout}",
+                         options={"node_segment_bytes": 65536})
+    finally:
+        for a in actors:
+            ray.kill(a)
+    w = len(actors)
+    wants = []
+    for n in sizes:
+        wants += [data(root, (n,), "float32", salt=root) for root in range(w)]
+        gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
+        wants += [gathered, gathered]
+    for rank, got in enumerate(results):
+        for i, ((x, algo), want) in enumerate(zip(got, wants)):
+            assert algo == "node_hierarchical", (layout, rank, i, algo)
+            np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
+
+
 def _socket_schedule(rank):
     x = np.full(1000, float(rank + 1))
     raycoll.all_reduce(x)

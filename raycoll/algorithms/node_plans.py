@@ -32,7 +32,7 @@ every rank agrees on (count, itemsize, node map, the group's half), cached.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from raycoll.algorithms.schedule import blocks
 from raycoll.algorithms.segment_plans import ALIGN, COPY, REDUCE, SYNC, WRITE, FIRST
 from raycoll.transport.counters import Counters
 
-__all__ = ["Layout", "layout", "all_reduce", "SMALL_BYTES"]
+__all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "SMALL_BYTES"]
 
 #: all_reduce up to this many bytes takes the small form (one segment step, one exchange).
 SMALL_BYTES = 64 << 10
@@ -167,6 +167,127 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
     return _plan(ops, nnodes * stride, peers, counts)
 
 
+#: A range of a buffer: (buffer id, offset, bytes).
+Range = Tuple[int, int, int]
+
+
+def _seg_broadcast(ops: List[Op], ranges: Sequence[Range], src: int, li: int, half: int,
+                   first: bool) -> None:
+    """Local rank ``src``'s ``ranges`` to the node's other local ranks over the segment, a
+    half a step (the same ranges on every local rank: each copies them into its own)."""
+    step = _down(half, ALIGN)
+    chunk: List[Tuple[int, int, int, int]] = []  # (buffer, offset, bytes, slot offset)
+    used = 0
+
+    def flush() -> None:
+        nonlocal used, first
+        if src == li:
+            ops.extend(_write(b, off, n, at) for b, off, n, at in chunk)
+        ops.append(_sync(first=first))
+        if src != li:
+            ops.extend((COPY, b, off, n, src, at, 0, 0) for b, off, n, at in chunk)
+        chunk.clear()
+        used, first = 0, False
+
+    for buf, off, n in ranges:
+        while n:
+            take = min(n, step - used)
+            chunk.append((buf, off, take, used))
+            used += take
+            off += take
+            n -= take
+            if used == step:
+                flush()
+    if chunk or first:
+        flush()
+
+
+@lru_cache(maxsize=256)
+def broadcast(nbytes: int, node_ids: Tuple[str, ...], rank: int, root: int,
+              half: int) -> NativePlan:
+    """Rank ``rank``'s node-aware broadcast of buffer 0 (``nbytes``) from ``root``: the root
+    sends it once to local rank 0 of every other node (each byte enters a node once), then
+    the root and those ranks hand it to their nodes' ranks over the segment."""
+    lay = layout(node_ids)
+    home, li = lay.node_of[rank], lay.local[rank]
+    k = len(lay.nodes[home])
+    leaders = [lay.nodes[m][0] for m in range(len(lay.nodes)) if m != lay.node_of[root]]
+    ops: List[Op] = []
+    counts = Counters()
+    peers: List[Tuple[int, int]] = []
+    if rank == root:
+        for leader in leaders:
+            ops.append((SEND, FLAT, 0, nbytes, leader, 0, 0, 0))
+            counts.sent(leader, nbytes, False)
+            peers.append((lay.node_of[leader], leader))
+        ops.append((XFER, 0, 0, 0, 0, 0, 0, 0))
+    elif rank in leaders:
+        ops += [(RECV, FLAT, 0, nbytes, root, 0, 0, 0), (XFER, 0, 0, 0, 0, 0, 0, 0)]
+        counts.received(root, nbytes, False)
+        peers.append((lay.node_of[root], root))
+    if k > 1:
+        src = lay.local[root] if home == lay.node_of[root] else 0
+        _seg_broadcast(ops, [(FLAT, 0, nbytes)], src, li, half, True)
+    return _plan(ops, 0, peers, counts, sends=rank == root)
+
+
+def _piece(pieces: bool, j: int, nbytes: int) -> Tuple[int, int]:
+    """Where rank ``j``'s piece of an all_gather's output is: buffer ``2 + j`` (``pieces``:
+    one buffer each), else buffer 2 at ``j * nbytes``."""
+    return (2 + j, 0) if pieces else (2, j * nbytes)
+
+
+@lru_cache(maxsize=256)
+def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
+               pieces: bool) -> NativePlan:
+    """Rank ``rank``'s node-aware all_gather: buffer 0 its input (``nbytes``), the output's
+    pieces in buffer 2 (or buffers 2, 3, ...: ``pieces``). The node's ranks gather their
+    pieces over the segment; local rank 0 of each node sends its node's pieces to local
+    rank 0 of every other node (each byte enters a node once) and hands what it received
+    to its node's ranks over the segment."""
+    lay = layout(node_ids)
+    home, li = lay.node_of[rank], lay.local[rank]
+    mates = lay.nodes[home]
+    k = len(mates)
+    ops: List[Op] = []
+    counts = Counters()
+    buf, off = _piece(pieces, rank, nbytes)
+    if nbytes:
+        ops.append((LOCAL, buf, off, nbytes, FLAT, 0, 0, 0))
+    if k > 1:  # the node's pieces, every local rank's, over the segment
+        step = _down(half, ALIGN)
+        for c, lo in enumerate(range(0, max(nbytes, 1), step)):
+            n = min(step, nbytes - lo)
+            if n:
+                ops.append(_write(FLAT, lo, n, 0))
+            ops.append(_sync(first=c == 0))
+            for j, r in enumerate(mates):
+                if r != rank and n:
+                    b, o = _piece(pieces, r, nbytes)
+                    ops.append((COPY, b, o + lo, n, j, 0, 0, 0))
+    peers: List[Tuple[int, int]] = []
+    others = [m for m in range(len(lay.nodes)) if m != home]
+    if li == 0:
+        for m in others:
+            peer = lay.nodes[m][0]
+            for r in mates:
+                b, o = _piece(pieces, r, nbytes)
+                ops.append((SEND, b, o, nbytes, peer, 0, 0, 0))
+            counts.sent(peer, nbytes * k, False)
+            peers.append((m, peer))
+        for m in others:
+            peer = lay.nodes[m][0]
+            for r in lay.nodes[m]:
+                b, o = _piece(pieces, r, nbytes)
+                ops.append((RECV, b, o, nbytes, peer, 0, 0, 0))
+            counts.received(peer, nbytes * len(lay.nodes[m]), False)
+        ops.append((XFER, 0, 0, 0, 0, 0, 0, 1))
+    if k > 1:
+        remote = [(*_piece(pieces, r, nbytes), nbytes) for m in others for r in lay.nodes[m]]
+        _seg_broadcast(ops, [x for x in remote if x[2]], 0, li, half, False)
+    return _plan(ops, 0, peers, counts)
+
+
 def _publish_part(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,
                   area: int) -> List[Op]:
     """A rail rank's reduced part of the last chunk into its coming half, at ``area``."""
@@ -184,10 +305,13 @@ def _gather(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,
 
 
 def _plan(ops: Sequence[Op], scratch: int, peers: Sequence[Tuple[int, int]],
-          counts: Counters) -> NativePlan:
+          counts: Counters, sends: Optional[bool] = None) -> NativePlan:
+    """The plan of ``ops``; ``peers`` (node, group rank) are sent to and received from
+    (``sends``: only sent to when ``True``, only received from when ``False``)."""
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
     rounds = int((arr[:, 0] == XFER).sum())
     counts.rounds = rounds
     ranks = tuple(p for _, p in peers) if rounds else ()
-    return NativePlan(arr, scratch, ranks, ranks, rounds, counts)
+    return NativePlan(arr, scratch, ranks if sends is not False else (),
+                      ranks if sends is not True else (), rounds, counts)

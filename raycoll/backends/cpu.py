@@ -267,7 +267,8 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
-        if size > 1 and self._seg_broadcast(arr, src, call):
+        if size > 1 and (self._seg_broadcast(arr, src, call)
+                         or self._node_broadcast(arr, src, call)):
             return
         with flat_out(arr) as flat:
             if self._scheduled("broadcast", flat, None, call, root=src):
@@ -314,6 +315,8 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
         if self.ctx.size > 1 and self._seg_gather(mine, outs, call, root):
+            return
+        if root is None and self._node_all_gather(mine, outs, call):
             return
         if root is not None and self._net_gather(mine, outs, call, root):
             return

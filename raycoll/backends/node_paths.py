@@ -15,13 +15,14 @@ taken; the backend then takes its other paths.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from raycoll.algorithms import node_plans
 from raycoll.algorithms.cost import predict
-from raycoll.algorithms.flat import flat_out
+from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.algorithms.topology import Topology
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
@@ -85,13 +86,49 @@ class NodePaths:
             finish = op.name in ("AVG", "PREMUL_SUM")
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
                                          self.ctx.rank, node.half, finish)
-            native.run(call, plan, flat, codes, op, node=node)
-            plane._done = (call.op, call.seq)
-            plane.calls += 1
-            plane.report()
-        self.ctx.note_algorithm("all_reduce", NODE_ALGORITHM)
-        self.ctx.note_rounds(call, plan.rounds, NODE_ALGORITHM)
+            self._node_run(plane, call, plan, flat, (), codes, op)
         return True
+
+    def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
+        """broadcast of ``arr`` from ``src`` as one node-aware plan."""
+        plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize)
+        if plane is None:
+            return False
+        node: NodeSegment = self._node
+        plan = node_plans.broadcast(arr.nbytes, self.ctx.node_ids, self.ctx.rank, src,
+                                    node.half)
+        with flat_out(arr) as flat:
+            self._node_run(plane, call, plan, flat, ())
+        return True
+
+    def _node_all_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray],
+                         call: Call) -> bool:
+        """all_gather of ``mine`` into the list ``outs`` (each its own buffer) as one
+        node-aware plan."""
+        if len(outs) != self.ctx.size or any(o.size != mine.size or o.dtype != mine.dtype
+                                             for o in outs):
+            return False
+        plane = self._node_plane(call, "all_gather", mine.nbytes * len(outs), mine.itemsize)
+        if plane is None:
+            return False
+        node: NodeSegment = self._node
+        plan = node_plans.all_gather(mine.nbytes, self.ctx.node_ids, self.ctx.rank, node.half,
+                                     True)
+        with ExitStack() as stack:
+            flats = [stack.enter_context(flat_out(o)) for o in outs]
+            self._node_run(plane, call, plan, flat_in(mine), flats)
+        return True
+
+    def _node_run(self, plane: Any, call: Call, plan: Any, flat: np.ndarray,
+                  more: Sequence[np.ndarray], codes: Tuple[int, int] = (0, 0),
+                  op: Optional[ReduceOp] = None) -> None:
+        """Run a hierarchical ``plan`` on the group's sockets and node segment."""
+        plane.native.run(call, plan, flat, codes, op, more, node=self._node)
+        plane._done = (call.op, call.seq)
+        plane.calls += 1
+        plane.report()
+        self.ctx.note_algorithm(call.op, NODE_ALGORITHM)
+        self.ctx.note_rounds(call, plan.rounds, NODE_ALGORITHM)
 
     def close(self) -> None:
         """Unmap this rank's node segment, then release the rest."""
