@@ -102,7 +102,7 @@ def test_all_reduce_every_op_and_dtype_small_and_streamed(two_nodes, layout):
 
 
 def _move_every_case(rank, sizes):
-    """broadcast from every root and all_gather (list, and into one tensor) of each size;
+    """broadcast and reduce from every root and all_gather (list, and into one tensor) of each size;
     the results and the algorithm each call took."""
     from raycoll.world import world as the_world
 
@@ -114,6 +114,9 @@ def _move_every_case(rank, sizes):
             x = data(rank, (n,), "float32", salt=root)
             raycoll.broadcast(x, src=root)
             out.append((x, group.last_route.algorithm))
+            y = data(rank, (n,), "int64", salt=root)
+            raycoll.reduce(y, dst=root)  # the others' buffers stay as they were
+            out.append((y, group.last_route.algorithm))
         mine = data(rank, (n,), "int64")
         lst = [np.empty(n, dtype=np.int64) for _ in range(w)]
         raycoll.all_gather(lst, mine)
@@ -126,9 +129,10 @@ def _move_every_case(rank, sizes):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_broadcast_and_all_gather_node_aware(two_nodes, layout):
-    """broadcast from every root and all_gather, small and streamed through a small
-    segment: right against numpy, on the node-aware plans."""
+def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
+    """broadcast and reduce from every root and all_gather, small and streamed through a
+    small segment: right against numpy (a reduce leaves the other ranks' buffers as they
+    were), on the node-aware plans."""
     sizes = (3, 30_001)
     actors = _actors(layout)
     try:
@@ -139,12 +143,17 @@ def test_broadcast_and_all_gather_node_aware(two_nodes, layout):
         for a in actors:
             ray.kill(a)
     w = len(actors)
-    wants = []
-    for n in sizes:
-        wants += [data(root, (n,), "float32", salt=root) for root in range(w)]
-        gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
-        wants += [gathered, gathered]
     for rank, got in enumerate(results):
+        wants = []
+        for n in sizes:
+            for root in range(w):
+                wants.append(data(root, (n,), "float32", salt=root))
+                mine = data(rank, (n,), "int64", salt=root)
+                wants.append(sum(data(r, (n,), "int64", salt=root) for r in range(w))
+                             if rank == root else mine)
+            gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
+            wants += [gathered, gathered]
+        assert len(got) == len(wants)
         for i, ((x, algo), want) in enumerate(zip(got, wants)):
             assert algo == "node_hierarchical", (layout, rank, i, algo)
             np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")

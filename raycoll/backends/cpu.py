@@ -186,7 +186,8 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         me, size = self.ctx.rank, self.ctx.size
-        if size > 1 and self._seg_all_reduce(arr, op, call, root=dst):
+        if size > 1 and (self._seg_all_reduce(arr, op, call, root=dst)
+                         or self._node_reduce(arr, dst, op, call)):
             return
         if me != dst:  # a schedule reduces in the buffer: not in the caller's
             if self._schedules("reduce", arr.nbytes, arr.itemsize, call, root=dst):

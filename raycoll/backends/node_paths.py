@@ -15,8 +15,8 @@ taken; the backend then takes its other paths.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -89,6 +89,22 @@ class NodePaths:
             self._node_run(plane, call, plan, flat, (), codes, op)
         return True
 
+    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
+        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan (on a copy on
+        the other ranks: their buffers stay as they were)."""
+        if self.ctx.size < 3 or not _reduces(arr, op):
+            return False
+        plane = self._node_plane(call, "reduce", arr.nbytes, arr.itemsize)
+        if plane is None:
+            return False
+        node: NodeSegment = self._node
+        finish = op.name in ("AVG", "PREMUL_SUM")
+        with flat_out(arr) if self.ctx.rank == dst else _copy(arr) as flat:
+            plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
+                                         self.ctx.rank, node.half, finish)
+            self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
+        return True
+
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
         """broadcast of ``arr`` from ``src`` as one node-aware plan."""
         plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize)
@@ -147,3 +163,9 @@ def _reduces(arr: np.ndarray, op: ReduceOp) -> bool:
     if code is None or (arr.dtype.kind == "c" and op.name != "SUM"):
         return False
     return bool(core.supported(code, op_code(op.name)))
+
+
+@contextmanager
+def _copy(arr: np.ndarray) -> Iterator[np.ndarray]:
+    """A flat copy of ``arr`` (what a rank other than a reduce's root reduces in)."""
+    yield np.array(flat_in(arr)).reshape(-1)
