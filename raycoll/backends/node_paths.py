@@ -1,16 +1,24 @@
 """The cpu backend's hierarchical paths for a group on several nodes: the node segment
 inside each node and sockets between nodes, in one plan run by one call of the native
-executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`).
+executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`):
+all_reduce, reduce, broadcast and all_gather.
 
-Taken where the group may have node segments (``node_segment_possible``: the native core on
-every rank, several nodes, ``transport="auto"``, a node with 2+ of its ranks), the op and
-dtype are ones the core reduces, no algorithm is forced for the collective (a forced one
-runs as the socket schedule it names), and the cost model prices the plan below the socket
-schedule it would pick: the plan is priced as the ``hierarchical`` schedule with its steps
-inside a node on the segment's link class (``lane``), the schedule on Unix sockets
-(``unix``). The node segments are set up inside the first collective that takes the path.
-Each method returns ``False`` (nothing done, the same on every rank) where the path is not
-taken; the backend then takes its other paths.
+**The rule** (the same on every rank, from what they all agree on): a collective takes its
+hierarchical plan where the group may have node segments (``node_segment_possible``: the
+native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
+ranks), the buffer is not empty, the core reduces the op and dtype, and no algorithm is
+forced for the collective (a forced one runs as the socket schedule it names). Measured
+(benchmarks/BENCHMARKS.md, "Node segments on several nodes": 2 + 2 ranks, the plan against
+the socket schedule the cost model picks, same actors, same run) faster at 4 B, 1 MiB and
+64 MiB. It is a measured rule rather than the cost model's choice because the model's
+defaults price a message as the Python transports' (tens of microseconds) and every step a
+wake-up on this machine, which puts the one-step direct exchange below the plan's two steps
+at 4 B, against the measurement; once the model is recalibrated for the native executor
+(issue 43, item 4) the plan becomes a catalog entry it prices.
+
+The node segments are set up inside the first collective that takes the path. Each method
+returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
+backend then takes its other paths.
 """
 
 from __future__ import annotations
@@ -21,9 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from raycoll.algorithms import node_plans
-from raycoll.algorithms.cost import predict
 from raycoll.algorithms.flat import flat_in, flat_out
-from raycoll.algorithms.topology import Topology
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
 from raycoll.reduce_op import ReduceOp
@@ -42,9 +48,6 @@ class NodePaths:
 
     ctx: GroupContext
     forced: Dict[str, Optional[str]]
-    cost_model: Any
-    topology: Topology
-    oversubscribed: bool
     stream: bool
     reduce_round_bytes: int
 
