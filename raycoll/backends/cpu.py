@@ -33,6 +33,7 @@ import numpy as np
 from raycoll.algorithms.flat import array_meta, copy_into, flat_in, flat_out
 from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
+from raycoll.backends.node_paths import NodePaths
 from raycoll.backends.segment_paths import SegmentPaths
 from raycoll.backends.socket_paths import SocketPaths
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
@@ -85,8 +86,8 @@ def _warn_store_fallback(ctx: GroupContext) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
-                      CollectiveBackend):
+class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
+                     CollectiveBackend):
     """CPU collectives on the native executor, else in steps through the coordinator and the
     Ray object store (see the module docstring)."""
 
@@ -112,7 +113,7 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps
         if self.ctx.size == 1:
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
-        if self._seg_all_reduce(arr, op, call):
+        if self._seg_all_reduce(arr, op, call) or self._node_all_reduce(arr, op, call):
             return
         with flat_out(arr) as flat:
             if not self._scheduled("all_reduce", flat, op, call):
@@ -120,7 +121,8 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
-        if self.ctx.size > 1 and self._seg_all_reduce(arr, op, call, root=dst):
+        if self.ctx.size > 1 and (self._seg_all_reduce(arr, op, call, root=dst)
+                                  or self._node_reduce(arr, dst, op, call)):
             return
         if self.ctx.rank != dst:  # a schedule reduces in the buffer: not in the caller's
             if self._schedules("reduce", arr.nbytes, arr, op, call, root=dst):
@@ -165,7 +167,8 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
-        if self.ctx.size > 1 and self._seg_broadcast(arr, src, call):
+        if self.ctx.size > 1 and (self._seg_broadcast(arr, src, call)
+                                  or self._node_broadcast(arr, src, call)):
             return
         with flat_out(arr) as flat:
             if self._scheduled("broadcast", flat, None, call, root=src):
@@ -192,6 +195,8 @@ class ObjstoreBackend(SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
         if self.ctx.size > 1 and self._seg_gather(mine, outs, call, root):
+            return
+        if root is None and self._node_all_gather(mine, outs, call):
             return
         if root is not None and self._net_gather(mine, outs, call, root):
             return

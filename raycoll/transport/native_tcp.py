@@ -221,9 +221,11 @@ class NativeSockets:
     # ------------------------------------------------------------------ running
     def run(self, call: "Call", plan: NativePlan, flat: np.ndarray,
             codes: Tuple[int, int], op: Optional["ReduceOp"],
-            more: Sequence[np.ndarray] = ()) -> None:
+            more: Sequence[np.ndarray] = (), node: Any = None) -> None:
         """Run ``plan`` for ``call`` on ``flat`` (in place; buffer 0, the scratch is 1, and
-        ``more``, contiguous arrays, are 2, 3, ...); raise the call's error."""
+        ``more``, contiguous arrays, are 2, 3, ...); raise the call's error. ``node``: the
+        group's :class:`~raycoll.transport.node_segment.NodeSegment`, whose segment the
+        plan's segment operations run on in the same call (hierarchical plans)."""
         self._began = time.monotonic()
         self._call = call
         with self._lock:
@@ -237,7 +239,7 @@ class NativeSockets:
                 self._window = (call.op, 0)
         before = self.conns.copy()
         try:
-            self._execute(call, plan, flat, codes, op, more)
+            self._execute(call, plan, flat, codes, op, more, node)
         except BaseException:
             with self._lock:  # the calls before count; this failed one's traffic for none
                 self._tally(before)
@@ -273,7 +275,7 @@ class NativeSockets:
         moved = (now - self._moved) & np.uint64(0xFFFFFFFF_FFFFFFFF)
         moved[:, 2:] &= np.uint64(0xFFFFFFFF)  # the message counts are 32-bit and wrap
         self._moved = now
-        if kind is None or (rounds == 0 and not moved.any()):
+        if kind is None:
             return
         same = self._same_node
         tally = self.tcp.tally(kind)
@@ -288,7 +290,7 @@ class NativeSockets:
 
     def _execute(self, call: "Call", plan: NativePlan, flat: np.ndarray,
                  codes: Tuple[int, int], op: Optional["ReduceOp"],
-                 more: Sequence[np.ndarray]) -> None:
+                 more: Sequence[np.ndarray], node: Any = None) -> None:
         self._connect(call, plan)
         if self._scratch.nbytes < plan.scratch:
             self._scratch = np.empty(plan.scratch, dtype=np.uint8)
@@ -299,14 +301,16 @@ class NativeSockets:
         wait = self._spinning if may_spin() else self._no_spin
         try:
             status, peer, err, broke, exc = core.execute(
-                None, plan.ops, (_bytes(flat), self._scratch, *map(_bytes, more)), codes[0],
-                codes[1], factor,
-                divisor, call.seq, b"", wait, self._check,
-                (self.out_fd, self.in_fd, self.conns, fp))
+                node.seg if node is not None else None, plan.ops,
+                (_bytes(flat), self._scratch, *map(_bytes, more)), codes[0], codes[1], factor,
+                divisor, call.seq, node.encode(call.fp) if node is not None else b"", wait,
+                self._check, (self.out_fd, self.in_fd, self.conns, fp))
         finally:
             self.tcp._waiting = None
         if status:
-            raise self._failed(call, status, peer, err, broke, exc)
+            got = (node.failed(self.tcp.ctx, self.tcp, call, status, peer)
+                   if node is not None and node.seg is not None and not self._closed else None)
+            raise got if got is not None else self._failed(call, status, peer, err, broke, exc)
 
     def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
         """While a run waits: the call's deadline, then the coordinator's check."""

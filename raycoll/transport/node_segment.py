@@ -1,0 +1,175 @@
+"""The node segment of a group on several nodes: one shared-memory segment per (group, node)
+over the group's ranks on that node, used beside the group's sockets to other nodes in the
+same native runs (``rc_exec(seg, net, ...)``: the plans are
+:mod:`raycoll.algorithms.node_plans`; the sockets' side is
+:class:`~raycoll.transport.native_tcp.NativeSockets`).
+
+Its local ranks are the node's group ranks in group-rank order; a node with one rank of the
+group has none. The segment's layout, waits and liveness are the one-node segment's
+(``raycoll/native/segment.h``; :mod:`raycoll.transport.segment` says how a wait spins, sleeps
+and checks its peers' processes and abort flags): nothing new lives in shared memory.
+
+**Set-up**, inside the first collective that runs a hierarchical plan (the same call on
+every rank: the choice is made from what every rank agrees on), two steps through the
+coordinator, as the one-node segment's: each node's local rank 0 creates the segment (a
+name carrying a hash of the group's secret, mode 0600, its memory reserved at once), every
+rank learns its node's name in step 0 and maps it, and step 1 tells every rank whether every
+node's ranks did, each node's half size and whether each rank may read its node-mates'
+memory (``process_vm_readv``: the one-node segment's probe); the names are unlinked once step 1 is through
+(nothing stays in /dev/shm). If any node failed, every rank goes without (the socket
+schedules run instead), each saying why in the log. The plans stream through the smallest
+half of the group's nodes, so that every rank cuts its chunks alike.
+
+**Failures**: the executor raises this rank's abort flag and shuts the call's sockets on any
+failure that breaks the group (``rc_exec``), so a local peer stops waiting at once and a
+remote one reads the end of its stream; a local peer whose process is gone is named
+(``RankFailedError``) from its pid at the next tick of a wait.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+
+from raycoll import errors
+from raycoll.native import core
+from raycoll.options import or_default
+from raycoll.transport.fingerprints import Fingerprints
+from raycoll.transport.segment import MIN_SEGMENT_BYTES, SEGMENT_BYTES, _all_mapped, _name
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.context import Call, GroupContext
+
+logger = logging.getLogger("raycoll")
+
+__all__ = ["NodeSegment", "set_up_node_segment", "node_segment_possible"]
+
+
+def segment_ranks(node_ids: Sequence[str], rank: int) -> Tuple[int, ...]:
+    """The group ranks that share ``rank``'s node segment, by local rank (group-rank order:
+    as :func:`raycoll.algorithms.node_plans.layout` numbers them)."""
+    return tuple(r for r, n in enumerate(node_ids) if n == node_ids[rank])
+
+
+def node_segment_possible(ctx: "GroupContext") -> bool:
+    """Whether group ``ctx`` may run hierarchical plans: the native core is built and on (on
+    every rank), the group spans several nodes, ``transport`` is ``"auto"``, and some node
+    holds 2+ of its ranks (else there is nothing for a segment to do)."""
+    if core is None or not ctx.native or ctx.size < 3 or ctx.single_node \
+            or ctx.transport != "auto" or ctx.secret is None:
+        return False
+    return len(set(ctx.node_ids)) < ctx.size and ctx.size <= core.MAX_RANKS
+
+
+class NodeSegment:
+    """This rank's part of its group's node segments: its own node's segment (``seg``;
+    ``None`` on a node with one rank of the group), the group ranks sharing it (by local
+    rank), and the smallest half of the group's nodes (what the plans stream through)."""
+
+    def __init__(self, seg: Any, ranks: Tuple[int, ...], half: int, cma: bool = False) -> None:
+        self.seg = seg
+        self.ranks = ranks
+        self.half = half
+        #: whether every rank of the group's nodes of 2+ ranks may read its node-mates'
+        #: buffers (``process_vm_readv``; the set-up's probe): the large plans read them
+        #: instead of streaming through the halves (the same on every rank)
+        self.cma = cma
+        self._fps = Fingerprints()
+
+    def encode(self, fp: Any) -> bytes:
+        """The call's fingerprint as the segment compares it (none without a segment)."""
+        return self._fps.encode(fp) if self.seg is not None else b""
+
+    def close(self) -> None:
+        """Unmap the segment (a run in flight in another thread ends first: ``CLOSED``)."""
+        if self.seg is not None:
+            self.seg.close()
+
+    def failed(self, ctx: "GroupContext", tcp: Any, call: "Call", status: int,
+               peer: int) -> Optional[BaseException]:
+        """The error of a run that ended with a status of the segment's (``peer``: a local
+        rank), or ``None`` for the sockets' statuses."""
+        where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
+        ranks = ctx.global_ranks
+        if status == core.CLOSED:
+            return errors.GroupDestroyedError(
+                f"{where}: the group was destroyed while the call waited")
+        if status not in (core.DEAD, core.ABORTED):
+            return None
+        tcp.fail_broken()  # ranks that arrive later, on any node, fail too
+        who = self.ranks[peer] if 0 <= peer < len(self.ranks) else ctx.rank
+        explained = tcp._explained(call, [who])
+        if explained is not None:
+            return explained
+        if status == core.DEAD:
+            err: errors.RaycollError = errors.RankFailedError(
+                f"{where}: rank {ranks[who]} died (its process "
+                f"{self.seg.info(peer, 0)['pid']} is gone)", failed_ranks=[ranks[who]],
+                **ctx.ctx(call))
+        else:
+            err = errors.GroupBrokenError(
+                f"{where}: rank {ranks[who]} gave up on the group (its call failed); the "
+                "group is broken", **ctx.ctx(call))
+        ctx.fail(err)
+        return err
+
+
+def _half_bytes(ctx: "GroupContext") -> int:
+    per_rank = int(or_default(ctx.options.node_segment_bytes, SEGMENT_BYTES))
+    return max(core.PAGE, per_rank // 2 // core.PAGE * core.PAGE)
+
+
+def _create(ctx: "GroupContext", name: str, nranks: int) -> Tuple[Any, str]:
+    """The node's segment for ``nranks`` local ranks, created here (a smaller one where
+    /dev/shm has no room, down to ``MIN_SEGMENT_BYTES`` a rank), or ``None`` and why not."""
+    half = _half_bytes(ctx)
+    while True:
+        try:
+            return core.Segment(name, nranks, 0, half, True), ""
+        except core.SegmentError as exc:
+            if exc.errno == 28 and 2 * half > MIN_SEGMENT_BYTES:  # ENOSPC
+                half = max(core.PAGE, half // 2 // core.PAGE * core.PAGE)
+                continue
+            return None, str(exc)
+
+
+def set_up_node_segment(ctx: "GroupContext", call: "Call") -> Optional[NodeSegment]:
+    """Set up the group's node segments inside ``call`` (two steps through the coordinator,
+    alike on every rank): this rank's :class:`NodeSegment`, or ``None`` on every rank where
+    any node could not (each says why in the log)."""
+    mates = segment_ranks(ctx.node_ids, ctx.rank)
+    me = mates.index(ctx.rank)
+    seg: Any = None
+    why = ""
+    name = _name(ctx) if me == 0 and len(mates) > 1 else ""
+    if name:
+        seg, why = _create(ctx, name, len(mates))
+    offer = (name, seg.half_bytes if seg is not None else 0, why)
+    try:
+        got = ctx.setup_exchange(call, [offer] * ctx.size)
+        name, half, why = got[mates[0]]
+        if me != 0 and half:
+            try:
+                seg = core.Segment(name, len(mates), me, half, False)
+            except core.SegmentError as exc:
+                why = str(exc)
+        fine = len(mates) == 1 or seg is not None
+        cma = seg is not None and _all_mapped(seg, len(mates)) and bool(seg.probe_cma())
+        ok: Sequence[Any] = ctx.setup_exchange(
+            call, [(fine, why, seg.half_bytes if seg is not None else 0, cma)] * ctx.size,
+            step=1)
+    finally:
+        if name and me == 0:
+            core.unlink(name)  # every local rank mapped it (or gave up)
+    ctx.skip_setup_step(call)  # the call's own coordinator steps (if any) move past these
+    failed = {j: w for j, (good, w, _, _) in enumerate(ok) if not good}
+    if failed:
+        if seg is not None:
+            seg.close()
+        logger.warning("raycoll: group %r runs without node segments: %s", ctx.group_name,
+                       "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
+        return None
+    halves = [h for _, _, h, _ in ok if h]
+    # cross-memory reads where every rank on a node of 2+ may read its node-mates' memory
+    cma = all(c for j, (_, _, h, c) in enumerate(ok) if h)
+    return NodeSegment(seg, mates, min(halves) if halves else _half_bytes(ctx), cma)

@@ -1,0 +1,228 @@
+"""Groups on two Ray nodes (``ray.cluster_utils.Cluster`` on this machine) with a node
+segment per node: all_reduce as one hierarchical plan (the segment in the node, sockets
+between nodes, one native call) right against numpy for every op and dtype at 2 + 2 and
+3 + 1 ranks, small and streamed through the segment; the route and counters showing the
+one-call path; a killed rank on either node failing every survivor within seconds."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from helpers import DTYPES, OPS_BY_KIND, data, op_of, reference
+
+import raycoll
+from raycoll.launch import RankWorker, run_on
+
+pytestmark = pytest.mark.cluster
+
+#: group rank -> node, per layout
+LAYOUTS = {"2+2": (0, 0, 1, 1), "3+1": (0, 0, 0, 1)}
+
+
+def _actors(layout):
+    worker = ray.remote(RankWorker)
+    return [worker.options(num_cpus=0, resources={f"node{n}": 1}).remote()
+            for n in LAYOUTS[layout]]
+
+
+def _reduce_every_case(rank, cases):
+    """Each (dtype, op, n): all_reduce of the rank's data; the results, and each call's
+    route (algorithm, coordinator steps, rounds) and counted bytes to the other node."""
+    from raycoll.world import world as the_world
+
+    group = the_world().default
+    out = []
+    for dtype, op, n in cases:
+        x = data(rank, (n,), dtype, salt=n)
+        before = group.counters()["collectives"].get("all_reduce", {})
+        raycoll.all_reduce(x, op=op_of(op))
+        after = group.counters()["collectives"]["all_reduce"]
+        route = group.last_route
+        sent = after["bytes_sent_other_node"] - before.get("bytes_sent_other_node", 0)
+        out.append((x, route.algorithm, route.steps, route.rounds, sent))
+    return out, ray.get_runtime_context().get_node_id()
+
+
+def _check(results, cases, layout):
+    nodes = {node for _, node in results}
+    assert len(nodes) == 2, "the ranks really span both nodes"
+    for i, (dtype, op, n) in enumerate(cases):
+        want = reference(op, [data(r, (n,), dtype, salt=n) for r in range(len(results))])
+        first = results[0][0][i][0]
+        for rank, (got, _) in enumerate(results):
+            x, algo, steps, rounds, sent = got[i]
+            what = f"{layout} rank {rank} {dtype} {op} n={n}"
+            native = not (dtype.startswith("complex") and op != "SUM")  # (numpy's, else)
+            assert (algo == "node_hierarchical") == native, (what, algo)
+            if native:  # one native call: no coordinator step but the first call's set-up
+                assert rounds >= (1 if sent else 0), what
+                assert set(steps) <= {"setup"} and (i == 0 or steps == ()), (what, steps)
+            if want.dtype.kind in "fc":
+                np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5, err_msg=what)
+            else:
+                np.testing.assert_array_equal(x, want, err_msg=what)
+            # every rank holds bitwise the same result (the node's partial reduced in
+            # local-rank order, the nodes' in node order)
+            assert not native or x.tobytes() == first.tobytes(), what
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_all_reduce_every_op_and_dtype_small_and_streamed(two_nodes, layout):
+    """Every op on every dtype sample, a small buffer (one segment step, one exchange) and
+    one streamed through a small segment in many chunks of uneven parts; then, on the
+    default 4 MiB segment, buffers past a half (2 MiB)."""
+    small_segment = [(dt, op, n) for dt in DTYPES for op in OPS_BY_KIND[np.dtype(dt).kind]
+                     for n in (5, 20_011)]
+    default_segment = [("float32", "SUM", 1_500_001), ("float64", "AVG", 700_001),
+                       ("int32", "MAX", 4), ("float32", "SUM", 1)]
+    actors = _actors(layout)
+    try:
+        results = run_on(actors, _reduce_every_case, (small_segment,), timeout=240,
+                         group_name=f"node-seg-small-{layout}",
+                         options={"node_segment_bytes": 65536})
+        _check(results, small_segment, layout)
+        results = run_on(actors, _reduce_every_case, (default_segment,), timeout=240,
+                         group_name=f"node-seg-default-{layout}")
+        _check(results, default_segment, layout)
+        if layout == "2+2":
+            # a small all_reduce (4 int32): one round, each rank sends its node's partial
+            # (16 bytes) to its rail peer once; a streamed one sends its part of each chunk
+            for got, _ in results:
+                assert got[2][3:] == (1, 16), got[2][1:]
+            for node in ((0, 1), (2, 3)):  # each node sends the buffer out once, in parts
+                assert sum(results[r][0][0][4] for r in node) == 1_500_001 * 4
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _move_every_case(rank, sizes):
+    """broadcast and reduce from every root and all_gather (list, and into one tensor) of each size;
+    the results and the algorithm each call took."""
+    from raycoll.world import world as the_world
+
+    group = the_world().default
+    w = raycoll.get_world_size()
+    out = []
+    for n in sizes:
+        for root in range(w):
+            x = data(rank, (n,), "float32", salt=root)
+            raycoll.broadcast(x, src=root)
+            out.append((x, group.last_route.algorithm))
+            y = data(rank, (n,), "int64", salt=root)
+            raycoll.reduce(y, dst=root)  # the others' buffers stay as they were
+            out.append((y, group.last_route.algorithm))
+        mine = data(rank, (n,), "int64")
+        lst = [np.empty(n, dtype=np.int64) for _ in range(w)]
+        raycoll.all_gather(lst, mine)
+        out.append((np.concatenate(lst), group.last_route.algorithm))
+        whole = np.empty(n * w, dtype=np.int64)
+        raycoll.all_gather_into_tensor(whole, mine)
+        out.append((whole, group.last_route.algorithm))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
+    """broadcast and reduce from every root and all_gather, small and streamed through a
+    small segment: right against numpy (a reduce leaves the other ranks' buffers as they
+    were), on the node-aware plans."""
+    sizes = (3, 30_001)
+    actors = _actors(layout)
+    try:
+        results = run_on(actors, _move_every_case, (sizes,), timeout=240,
+                         group_name=f"node-seg-move-{layout}",
+                         options={"node_segment_bytes": 65536})
+    finally:
+        for a in actors:
+            ray.kill(a)
+    w = len(actors)
+    for rank, got in enumerate(results):
+        wants = []
+        for n in sizes:
+            for root in range(w):
+                wants.append(data(root, (n,), "float32", salt=root))
+                mine = data(rank, (n,), "int64", salt=root)
+                wants.append(sum(data(r, (n,), "int64", salt=root) for r in range(w))
+                             if rank == root else mine)
+            gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
+            wants += [gathered, gathered]
+        assert len(got) == len(wants)
+        for i, ((x, algo), want) in enumerate(zip(got, wants)):
+            assert algo == "node_hierarchical", (layout, rank, i, algo)
+            np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
+
+
+def _socket_schedule(rank):
+    x = np.full(1000, float(rank + 1))
+    raycoll.all_reduce(x)
+    from raycoll.world import world as the_world
+
+    return float(x[0]), the_world().default.last_route.algorithm
+
+
+@pytest.mark.timeout(300)
+def test_transport_tcp_and_a_forced_algorithm_keep_the_socket_schedules(two_nodes):
+    """``transport="tcp"`` or a forced ``all_reduce_algo``: no node segment, the socket
+    schedule named."""
+    actors = _actors("2+2")
+    try:
+        for options, algo in (({"transport": "tcp"}, None),
+                              ({"all_reduce_algo": "ring"}, "ring")):
+            got = run_on(actors, _socket_schedule, (), group_name="node-seg-off",
+                         timeout=120, options=options)
+            for value, used in got:
+                assert value == 10.0
+                assert used != "node_hierarchical" and (algo is None or used == algo), used
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _reduce_until_failure(rank, seconds):
+    from raycoll.world import world as the_world
+
+    x = np.ones(1_000_000)  # 8 MB: streamed through the segment in many steps
+    start = time.time()
+    done, algo = 0, None
+    try:
+        while time.time() - start < seconds:
+            raycoll.all_reduce(x)
+            x[:] = 1.0
+            done += 1
+            algo = the_world().default.last_route.algorithm
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "msg": str(exc), "t": time.time(), "done": done,
+                "algo": algo, "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+    return {"type": None, "done": done, "algo": algo}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("killed", [1, 2], ids=["node-mate", "other-node"])
+def test_a_killed_rank_fails_every_survivor_within_seconds(two_nodes, killed):
+    """2 + 2 ranks streaming hierarchical all_reduces; rank ``killed`` SIGKILLed (rank 0's
+    node-mate, or a rank on the other node): every survivor fails with ``RankFailedError``
+    naming it within seconds."""
+    actors = _actors("2+2")
+    raycoll.create_group(actors, group_name="node-seg-kill", timeout=120)
+    try:
+        refs = [a.run.remote(_reduce_until_failure, r, (60.0,), {})
+                for r, a in enumerate(actors)]
+        time.sleep(3.0)  # well inside the loop
+        killed_at = time.time()
+        ray.kill(actors[killed], no_restart=True)
+        for res in ray.get([r for i, r in enumerate(refs) if i != killed], timeout=120):
+            assert res["type"] == "RankFailedError", res
+            assert res["done"] > 0 and res["algo"] == "node_hierarchical", res
+            assert res["failed_ranks"] == [killed], res
+            assert res["t"] - killed_at < 10.0, (res["t"] - killed_at, res["msg"])
+    finally:
+        raycoll.destroy_group("node-seg-kill")
+        for a in actors:
+            ray.kill(a)
