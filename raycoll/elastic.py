@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors, session
+from raycoll import elastic_links, errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, coordinator_name, rank_info, spare
 from raycoll.coordinator.client import GRACE_S
@@ -177,13 +177,21 @@ def _shrink_root(pg: ProcessGroup, excluded: List[int], kept: List[int]) -> Proc
     root, me = pg._root, pg.rank()
     was_default = pg.is_default
     old_members = list(root.members)  # (also keeps the handles unpacked: read from the cache)
+    mine = elastic_links.offer(pg, kept, take=True)  # (out of the old links before they close)
     world().remove(pg.name, f"shrink_group: replaced by the group of ranks {kept}")
     client = CoordinatorClient(root.client.handle, pg.name)
-    info = client.reconfigure("shrink", root.generation, me, kept.index(me), len(kept),
-                              tuple(excluded), None, _config(pg), pg.timeout_s)
+    try:
+        info = client.reconfigure("shrink", root.generation, me, kept.index(me), len(kept),
+                                  tuple(excluded), None, _config(pg), pg.timeout_s,
+                                  hand=mine.report)
+    except BaseException:
+        elastic_links.discard(mine)
+        raise
+    conns, seq = elastic_links.settle(mine, info)
     desc = "default:shrunken" if was_default else f"{pg.name}:shrunk"
     new = install_root_group(_spec(pg), kept.index(me), client, info, pg.backend_config,
                              make_default=was_default, group_desc=desc)
+    elastic_links.adopt(new, conns, seq)
     if kept.index(me) == 0:  # the excluded ranks still alive drop the old generation
         for r in excluded:
             _tell_excluded(old_members[r].get("actor"), pg.name, root.generation)
@@ -245,18 +253,21 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     links = getattr(pg.context._transports, "links", None)
     if links is not None and links._listener is not None:  # no peer may reach the old
         links._listener.unregister(links)  # generation while the new one's links form
+    mine = elastic_links.offer(pg, range(pg.size()), take=False)
     try:
         info = root.client.reconfigure("grow", root.generation, me, me, None, None, None,
-                                       _config(pg), seconds)
+                                       _config(pg), seconds, hand=mine.report)
     except BaseException:
         if links is not None and links._listener is not None:
             links._listener.register(links)
         raise
+    conns, seq = elastic_links.settle(mine, info)  # (out of the old links before they close)
     was_default = pg.is_default
     world().remove(pg.name, "admit_new_ranks: replaced by the grown group")
     client = CoordinatorClient(root.client.handle, pg.name)
     grown = install_root_group(_spec(pg), me, client, info, pg.backend_config,
                                make_default=was_default, group_desc=pg._group_desc)
+    elastic_links.adopt(grown, conns, seq)
     del held
     return grown
 
@@ -272,7 +283,8 @@ def _newcomer(actor_self: Any, name: str, coordinator: Any, rank: int, size: int
     spec = GroupSpec(name, size, config.get("backend"), float(config.get("timeout_s", timeout_s)),
                      coordinator, config.get("options") or GroupOptions(),
                      bool(config.get("by_name", False)))
-    install_root_group(spec, rank, client, info, backend_config(spec.backend))
+    pg = install_root_group(spec, rank, client, info, backend_config(spec.backend))
+    elastic_links.adopt(pg, {}, elastic_links.settle(None, info)[1])
 
 
 def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any = None) -> None:

@@ -42,8 +42,9 @@ class _Reconfiguration:
     generation: int
     plan: Any  # shrink: the excluded ranks; grow: None
     size: Optional[int]  # the new world size, once someone said it
-    arrivals: Dict[int, Tuple[Optional[int], Optional[Dict[str, Any]], Any]] = field(
-        default_factory=dict)  # new rank -> (old rank, rank info of a newcomer, its config)
+    # new rank -> (old rank, rank info of a newcomer, its config, what it hands over)
+    arrivals: Dict[int, Tuple[Optional[int], Optional[Dict[str, Any]], Any, Any]] = field(
+        default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: Optional[Result] = None
 
@@ -56,7 +57,7 @@ class ElasticMixin(CoordinatorState):
     async def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
                           new_rank: int, new_size: Optional[int], plan: Any,
                           info: Optional[Dict[str, Any]], config: Any,
-                          timeout_s: float) -> Result:
+                          timeout_s: float, hand: Optional[Dict[str, Any]] = None) -> Result:
         """Arrive at the change of the group into its next generation (see the module).
 
         ``kind``: ``"shrink"`` or ``"grow"``; ``generation``: the generation the caller is a
@@ -66,8 +67,11 @@ class ElasticMixin(CoordinatorState):
         (an existing rank growing the group passes ``None``: the newcomers say it);
         ``plan``: what every participant must agree on (the excluded ranks of a shrink);
         ``config``: what the group's ranks use (backend, timeout, options), handed to the
-        newcomers. Waits up to ``timeout_s`` for every rank of the next generation; returns
-        ``{"members", "generation", "secret", "config"}``."""
+        newcomers; ``hand``: what a member offers to keep of the old generation
+        (:mod:`raycoll.elastic_links`: its last sequence number and its whole connections),
+        handed to every participant. Waits up to ``timeout_s`` for every rank of the next
+        generation; returns ``{"members", "generation", "secret", "config", "hands"}``
+        (``hands``: each new rank's ``hand``, by new rank)."""
         if kind not in ("shrink", "grow"):
             return err("value", f"reconfigure: kind must be 'shrink' or 'grow', got {kind!r}")
         if generation is not None and generation != self._generation:
@@ -108,7 +112,7 @@ class ElasticMixin(CoordinatorState):
         if new_rank in rc.arrivals or new_rank < 0 or (rc.size is not None and new_rank >= rc.size):
             return err("value", f"{kind} of group {self._group_name!r}: new rank {new_rank} is "
                        f"taken or out of range (new world size {rc.size})")
-        rc.arrivals[new_rank] = (old_rank, info, config)
+        rc.arrivals[new_rank] = (old_rank, info, config, hand)
         self._maybe_reconfigure(rc)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not rc.done.is_set():
@@ -142,7 +146,7 @@ class ElasticMixin(CoordinatorState):
         if rc.size is None or len(rc.arrivals) < rc.size:
             return
         if rc.kind == "grow":
-            kept = {old for old, _info, _config in rc.arrivals.values() if old is not None}
+            kept = {old for old, _info, _config, _hand in rc.arrivals.values() if old is not None}
             if kept != set(range(self._world_size)):
                 return  # an existing rank still to come: its rank is among the arrivals
         self._apply(rc)
@@ -155,7 +159,7 @@ class ElasticMixin(CoordinatorState):
                    f"({rc.kind}): calls of generation {old_generation} cannot complete", {})
         members: Dict[int, Dict[str, Any]] = {}
         config: Any = None
-        for new_rank, (old_rank, info, given) in sorted(rc.arrivals.items()):
+        for new_rank, (old_rank, info, given, _hand) in sorted(rc.arrivals.items()):
             record = info if old_rank is None else self._members[old_rank]
             members[new_rank] = dict(record or {})
             if config is None and old_rank is not None:
@@ -171,8 +175,9 @@ class ElasticMixin(CoordinatorState):
         self._secret = secrets.token_bytes(16)
         self._roster = [dict(members[r], rank=r) for r in range(rc.size)]
         self._left = set()
+        hands = {r: hand for r, (_old, _info, _given, hand) in rc.arrivals.items() if hand}
         rc.answer = ok({"members": self._roster, "generation": self._generation,
-                        "secret": self._secret, "config": config})
+                        "secret": self._secret, "config": config, "hands": hands})
         rc.done.set()
 
     def _reset_calls(self) -> None:
