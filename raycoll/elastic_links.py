@@ -54,7 +54,7 @@ def offer(pg: Any, peers: Sequence[int], take: bool) -> Offer:
     if links is not None and native is not None and not getattr(plane, "_poisoned", False):
         whole = links.whole(PURPOSE, peers, native.whole)
     result = Offer({"old": pg.rank(), "seq": pg._seq, "whole": whole}, links)
-    if take and whole:
+    if take and whole and links is not None:
         result.conns = links.hand_over(PURPOSE, whole)
     return result
 
@@ -78,7 +78,7 @@ def settle(mine: Optional[Offer], answer: Mapping[str, Any]
         mirror = ("in" if direction == "out" else "out", me)
         if other is not None and mirror in other[1]:
             keep[(direction, peer)] = (direction, other[0])
-    if not mine.conns and keep:  # a grow: the old links still hold them
+    if not mine.conns and keep and mine.links is not None:  # a grow: the old links hold them
         mine.conns = mine.links.hand_over(PURPOSE, list(keep))
     kept = {keep[k]: conn for k, conn in mine.conns.items() if k in keep}
     for k, conn in mine.conns.items():

@@ -533,3 +533,18 @@ def test_shrink_and_grow_keep_the_ranks_connections(team):
         assert {k: v for k, v in new["conns"].items() if k in old["conns"]} == old["conns"]
     assert [g["adopted"] for g in grown] == [2, 2, 2, 0]
     assert [g["connected"] for g in grown] == [0, 0, 1, 1]  # 2 -> 3 and 3 -> 0
+
+
+@pytest.mark.timeout(90)
+def test_grow_refuses_a_member_and_a_group_with_a_dead_rank(team):
+    """The coordinator numbers the newcomers (the driver asks nothing first), and refuses
+    an actor that is a member already, and any newcomer while a rank of the group is dead."""
+    actors, name, extra = team
+    with pytest.raises(ValueError, match="already rank 1 of the group"):
+        raycoll.grow_group(name, [actors[1]], timeout=10)
+    ray.kill(actors[3], no_restart=True)
+    _wait_dead(name, {3})
+    newcomer = Worker.remote()
+    extra.append(newcomer)
+    with pytest.raises(raycoll.GroupBrokenError, match="shrink_group first"):
+        raycoll.grow_group(name, [newcomer], timeout=10)

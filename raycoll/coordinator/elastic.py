@@ -7,7 +7,8 @@ One RPC, :meth:`ElasticMixin.reconfigure`, serves both directions:
   (dead, or alive and left out) do not take part;
 - **grow** (:func:`raycoll.grow_group` from the driver, :func:`raycoll.admit_new_ranks` in
   each existing rank): every existing rank arrives with its rank kept, each new actor with
-  the next free rank and the new world size.
+  its place among the newcomers and their number (``joining``): it takes the next free rank
+  (the coordinator knows the world size: the driver asks nothing first).
 
 Once every rank of the new membership has arrived, the coordinator moves the group to
 generation ``g + 1`` at once: the calls of generation ``g`` still waiting here fail (an
@@ -57,7 +58,8 @@ class ElasticMixin(CoordinatorState):
     async def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
                           new_rank: int, new_size: Optional[int], plan: Any,
                           info: Optional[Dict[str, Any]], config: Any,
-                          timeout_s: float, hand: Optional[Dict[str, Any]] = None) -> Result:
+                          timeout_s: float, hand: Optional[Dict[str, Any]] = None,
+                          joining: Optional[Tuple[int, int]] = None) -> Result:
         """Arrive at the change of the group into its next generation (see the module).
 
         ``kind``: ``"shrink"`` or ``"grow"``; ``generation``: the generation the caller is a
@@ -71,7 +73,10 @@ class ElasticMixin(CoordinatorState):
         (:mod:`raycoll.elastic_links`: its last sequence number and its whole connections),
         handed to every participant. Waits up to ``timeout_s`` for every rank of the next
         generation; returns ``{"members", "generation", "secret", "config", "hands"}``
-        (``hands``: each new rank's ``hand``, by new rank)."""
+        (``hands``: each new rank's ``hand``, by new rank). ``joining``: a newcomer's
+        ``(index, count)`` among the actors joining together, in place of ``new_rank`` and
+        ``new_size`` (it takes rank ``world size + index``); refused while a member is dead
+        (the survivors must shrink first) or if the newcomer is a member already."""
         if kind not in ("shrink", "grow"):
             return err("value", f"reconfigure: kind must be 'shrink' or 'grow', got {kind!r}")
         if generation is not None and generation != self._generation:
@@ -81,6 +86,11 @@ class ElasticMixin(CoordinatorState):
         if old_rank is not None and old_rank not in self._members:
             return err("value", f"{kind} of group {self._group_name!r}: rank {old_rank} is not a "
                        f"member (members: {fmt_ranks(sorted(self._members))})")
+        if joining is not None:
+            refused = self._refuse_newcomer(info)
+            if refused is not None:
+                return refused
+            new_rank, new_size = self._world_size + joining[0], self._world_size + joining[1]
         rc = self._reconf
         if rc is not None and not rc.done.is_set() and rc.kind == "grow" and kind == "shrink":
             # a rank died while newcomers were coming: the survivors' shrink goes first
@@ -142,6 +152,19 @@ class ElasticMixin(CoordinatorState):
                    "dead": sorted(self._dead)})
 
     # ------------------------------------------------------------------ internals
+    def _refuse_newcomer(self, info: Optional[Dict[str, Any]]) -> Optional[Result]:
+        """Why a newcomer (rank info ``info``) cannot join now, or ``None``."""
+        if self._dead:
+            return err("aborted", f"grow of group {self._group_name!r}: ranks "
+                       f"{fmt_ranks(sorted(self._dead))} of the group died; its survivors must "
+                       "shrink_group first, then grow it")
+        actor_id = (info or {}).get("actor_id")
+        members = [r for r, m in self._members.items() if actor_id and m.get("actor_id") == actor_id]
+        if members:
+            return err("value", f"grow of group {self._group_name!r}: a new actor is already "
+                       f"rank {members[0]} of the group (new_actors must not be members)")
+        return None
+
     def _maybe_reconfigure(self, rc: _Reconfiguration) -> None:
         if rc.size is None or len(rc.arrivals) < rc.size:
             return
