@@ -548,3 +548,40 @@ def test_grow_refuses_a_member_and_a_group_with_a_dead_rank(team):
     extra.append(newcomer)
     with pytest.raises(raycoll.GroupBrokenError, match="shrink_group first"):
         raycoll.grow_group(name, [newcomer], timeout=10)
+
+
+def _torch_shrink(rank: int) -> Dict[str, Any]:
+    """torch's shrink_group on the "raycoll" backend is refused (torch asks the group for a
+    per-device c10d Backend, which raycoll's group is not); the documented way goes on: raycoll's
+    shrink_group, then torch's default group formed again over the shrunk raycoll group."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("raycoll")
+    out: Dict[str, Any] = {}
+    if rank == 2:  # excluded: takes no part
+        dist.destroy_process_group()
+        return out
+    try:
+        dist.shrink_group([2])
+        out["torch"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["torch"] = f"{type(exc).__name__}: {exc}"
+    raycoll.shrink_group([2])
+    dist.destroy_process_group()
+    dist.init_process_group("raycoll")
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    out.update(sum=t.tolist(), who=(dist.get_rank(), dist.get_world_size()))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(90)
+def test_torch_shrink_group_is_refused_and_the_documented_way_works(ranks):
+    pytest.importorskip("torch")
+    out = ranks.run(_torch_shrink, 3)
+    for r in (0, 1):
+        assert out[r]["torch"].startswith("RuntimeError: Cannot access device backend"), out[r]
+        assert out[r]["sum"] == [3.0] * 3 and out[r]["who"] == (r, 2), out[r]
