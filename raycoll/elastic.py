@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors, session
+from raycoll import elastic_links, errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, coordinator_name, rank_info, spare
 from raycoll.coordinator.client import GRACE_S
@@ -177,13 +177,21 @@ def _shrink_root(pg: ProcessGroup, excluded: List[int], kept: List[int]) -> Proc
     root, me = pg._root, pg.rank()
     was_default = pg.is_default
     old_members = list(root.members)  # (also keeps the handles unpacked: read from the cache)
+    mine = elastic_links.offer(pg, kept, take=True)  # (out of the old links before they close)
     world().remove(pg.name, f"shrink_group: replaced by the group of ranks {kept}")
     client = CoordinatorClient(root.client.handle, pg.name)
-    info = client.reconfigure("shrink", root.generation, me, kept.index(me), len(kept),
-                              tuple(excluded), None, _config(pg), pg.timeout_s)
+    try:
+        info = client.reconfigure("shrink", root.generation, me, kept.index(me), len(kept),
+                                  tuple(excluded), None, _config(pg), pg.timeout_s,
+                                  hand=mine.report)
+    except BaseException:
+        elastic_links.discard(mine)
+        raise
+    conns, seq = elastic_links.settle(mine, info)
     desc = "default:shrunken" if was_default else f"{pg.name}:shrunk"
     new = install_root_group(_spec(pg), kept.index(me), client, info, pg.backend_config,
                              make_default=was_default, group_desc=desc)
+    elastic_links.adopt(new, conns, seq)
     if kept.index(me) == 0:  # the excluded ranks still alive drop the old generation
         for r in excluded:
             _tell_excluded(old_members[r].get("actor"), pg.name, root.generation)
@@ -245,34 +253,44 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     links = getattr(pg.context._transports, "links", None)
     if links is not None and links._listener is not None:  # no peer may reach the old
         links._listener.unregister(links)  # generation while the new one's links form
+    mine = elastic_links.offer(pg, range(pg.size()), take=False)
     try:
         info = root.client.reconfigure("grow", root.generation, me, me, None, None, None,
-                                       _config(pg), seconds)
+                                       _config(pg), seconds, hand=mine.report)
     except BaseException:
         if links is not None and links._listener is not None:
             links._listener.register(links)
         raise
+    conns, seq = elastic_links.settle(mine, info)  # (out of the old links before they close)
     was_default = pg.is_default
     world().remove(pg.name, "admit_new_ranks: replaced by the grown group")
     client = CoordinatorClient(root.client.handle, pg.name)
     grown = install_root_group(_spec(pg), me, client, info, pg.backend_config,
                                make_default=was_default, group_desc=pg._group_desc)
+    elastic_links.adopt(grown, conns, seq)
     del held
     return grown
 
 
-def _newcomer(actor_self: Any, name: str, coordinator: Any, rank: int, size: int,
-              timeout_s: float) -> None:
-    """Runs in each new actor (through ``__ray_call__``): join group ``name`` as ``rank``."""
+def _newcomer(actor_self: Any, name: str, coordinator: Any, index: int, count: int,
+              timeout_s: float) -> List[Optional[str]]:
+    """Runs in each new actor (through ``__ray_call__``): join group ``name`` as newcomer
+    ``index`` of ``count`` (the coordinator gives it the next free rank). Returns the grown
+    group's actor ids by rank."""
     client = CoordinatorClient(coordinator, name)
     where = listener()
-    info = client.reconfigure("grow", None, None, rank, size, None,
-                              rank_info(where.address if where else None), None, timeout_s)
+    info = client.reconfigure("grow", None, None, 0, None, None,
+                              rank_info(where.address if where else None), None, timeout_s,
+                              joining=(index, count))
+    size = len(info["members"])
+    rank = size - count + index
     config = info.get("config") or {}
     spec = GroupSpec(name, size, config.get("backend"), float(config.get("timeout_s", timeout_s)),
                      coordinator, config.get("options") or GroupOptions(),
                      bool(config.get("by_name", False)))
-    install_root_group(spec, rank, client, info, backend_config(spec.backend))
+    pg = install_root_group(spec, rank, client, info, backend_config(spec.backend))
+    elastic_links.adopt(pg, {}, elastic_links.settle(None, info)[1])
+    return [m.get("actor_id") for m in info["members"]]
 
 
 def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any = None) -> None:
@@ -292,48 +310,42 @@ def grow_group(group_name: str, new_actors: Sequence[ActorHandle], timeout: Any 
         if not isinstance(actor, ActorHandle):
             raise TypeError(f"new_actors[{i}] must be a Ray actor handle, got "
                             f"{type(actor).__name__}")
+    if len({a._actor_id.hex() for a in new_actors}) != len(new_actors):
+        raise ValueError(f"grow_group({group_name!r}): new_actors must be distinct actors, got "
+                         f"{len(new_actors)} handles of fewer actors")
     seconds = float(to_seconds(timeout, _GROW_TIMEOUT_S) or _GROW_TIMEOUT_S)
     now = session.require(f"grow_group(group_name={group_name!r})")
     entry = DRIVER_GROUPS.get(group_name, now)
     handle = entry.spec.coordinator if entry is not None else _by_name(now[1], group_name)
-    client = CoordinatorClient(handle, group_name)
-    current = client.membership(_ASK_S)
-    if current["dead"]:
-        raise errors.GroupBrokenError(
-            f"grow_group({group_name!r}): ranks {current['dead']} of the group died; its "
-            "survivors must shrink_group first, then grow it", group=group_name)
-    size = int(current["world_size"])
-    ids = {a._actor_id.hex() for a in new_actors}
-    if len(ids) != len(new_actors) or ids & set(current["actor_ids"]):
-        raise ValueError(f"grow_group({group_name!r}): new_actors must be distinct actors that "
-                         "are not members of the group yet")
-    total = size + len(new_actors)
-    refs = [a.__ray_call__.remote(_newcomer, group_name, handle, size + i, total, seconds)
+    # (one call into each newcomer, nothing asked first: the coordinator numbers them)
+    refs = [a.__ray_call__.remote(_newcomer, group_name, handle, i, len(new_actors), seconds)
             for i, a in enumerate(new_actors)]
-    _wait_newcomers(refs, group_name, size, seconds)
+    after = _wait_newcomers(refs, group_name, seconds)
     if entry is not None:  # the driver's record: the actors in rank order, as they are now
         known = {a._actor_id.hex(): a for a in list(entry.actors) + list(new_actors)}
-        after = list(current["actor_ids"]) + [a._actor_id.hex() for a in new_actors]
         entry.actors[:] = [known[i] for i in after if i in known]  # (members keep their ranks)
 
 
-def _wait_newcomers(refs: List[Any], group_name: str, first: int, seconds: float) -> None:
+def _wait_newcomers(refs: List[Any], group_name: str, seconds: float) -> List[Optional[str]]:
     """Wait for the newcomers' joins (the coordinator bounds them by ``seconds``); a failed
-    one raises its error (a dead actor: RankFailedError naming its rank)."""
+    one raises its error (a dead actor: RankFailedError). Returns the grown group's actor ids
+    by rank."""
+    after: List[Optional[str]] = []
     for i, ref in enumerate(refs):
         try:
-            ray.get(ref, timeout=seconds + GRACE_S)
+            after = ray.get(ref, timeout=seconds + GRACE_S)
         except ray.exceptions.GetTimeoutError as exc:
             raise errors.DistTimeoutError(
-                f"grow_group({group_name!r}): rank {first + i} did not join within "
+                f"grow_group({group_name!r}): new_actors[{i}] did not join within "
                 f"{seconds + GRACE_S:g}s (a sync actor busy in another method cannot join until "
-                "it returns)", missing=[first + i], group=group_name, op="grow_group") from exc
+                "it returns)", group=group_name, op="grow_group") from exc
         except ray.exceptions.RayActorError as exc:
             raise errors.RankFailedError(
-                f"grow_group({group_name!r}): the actor of new rank {first + i} is dead",
-                failed_ranks=[first + i], group=group_name) from exc
+                f"grow_group({group_name!r}): the actor of new_actors[{i}] is dead",
+                group=group_name) from exc
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
+    return after
 
 
 def _by_name(job: str, group_name: str) -> Any:
@@ -349,4 +361,3 @@ def _by_name(job: str, group_name: str) -> Any:
 
 
 _GROW_TIMEOUT_S = 300.0
-_ASK_S = 30.0

@@ -469,3 +469,119 @@ def test_a_member_dying_during_a_grow_fails_it_and_the_survivors_shrink(team):
     for o in out:
         assert o["admit"] == "RankFailedError [3]" and o["waited"] < TIMEOUT_S / 2, o
         assert (o["size"], o["value"]) == (3, 6.0), o
+
+
+def _ncoll_inodes() -> Dict[str, Any]:
+    """This rank's native-plane connections in its default group, by (direction, peer): the
+    kernel's inode of each socket (the same inode: the same connection), and how many
+    connections the group's links made and took over."""
+    links = raycoll.group.WORLD.context._transports.links
+    conns = {f"out{p}": os.fstat(o.sock.fileno()).st_ino
+             for (p, purpose), o in links._out.items() if purpose == "ncoll"}
+    conns.update({f"in{p}": os.fstat(s.fileno()).st_ino
+                  for (p, purpose), s in links._in.items() if purpose == "ncoll"})
+    return {"conns": conns, "connected": links.connected, "adopted": links.adopted}
+
+
+def _reduce_links(rank: int) -> Dict[str, Any]:
+    out = _reduce(rank)
+    out.update(_ncoll_inodes())
+    return out
+
+
+def _shrink_links(rank: int, excluded: List[int]) -> Dict[str, Any]:
+    raycoll.shrink_group(excluded)
+    return _reduce_links(rank)
+
+
+def _admit_links(rank: int) -> Dict[str, Any]:
+    raycoll.admit_new_ranks(timeout=TIMEOUT_S)
+    return _reduce_links(rank)
+
+
+@pytest.mark.timeout(120)
+def test_shrink_and_grow_keep_the_ranks_connections(team):
+    """On direct connections (a ring all_reduce: each rank connects to the next), rank 3
+    (alive) is shrunk out: the survivors' connections with each other are the same
+    sockets after (renumbered), only the ring's new edge 2 -> 0 is made; a newcomer grows
+    the group: the existing ranks keep all theirs, and only edges with it are made."""
+    actors, name, extra = team
+    raycoll.destroy_group(name)
+    raycoll.create_group(actors, group_name=name, timeout=TIMEOUT_S,
+                         options={"transport": "tcp", "all_reduce_algo": "ring"})
+    before = ray.get([_run(a, _reduce_links, r) for r, a in enumerate(actors)], timeout=60)
+    assert [b["value"] for b in before] == [10.0] * 4
+    assert [sorted(b["conns"]) for b in before] == [["in3", "out1"], ["in0", "out2"],
+                                                    ["in1", "out3"], ["in2", "out0"]]
+    shrunk = ray.get([_run(a, _shrink_links, r, [3]) for r, a in enumerate(actors[:3])],
+                     timeout=60)
+    assert [(s["size"], s["value"]) for s in shrunk] == [(3, 6.0)] * 3
+    # the edges among the survivors are the very sockets they had (the same inodes)
+    assert shrunk[0]["conns"]["out1"] == before[0]["conns"]["out1"]
+    assert shrunk[1]["conns"]["in0"] == before[1]["conns"]["in0"]
+    assert shrunk[1]["conns"]["out2"] == before[1]["conns"]["out2"]
+    assert shrunk[2]["conns"]["in1"] == before[2]["conns"]["in1"]
+    assert [s["adopted"] for s in shrunk] == [1, 2, 1]
+    assert [s["connected"] for s in shrunk] == [0, 0, 1]  # the ring's new edge 2 -> 0
+    newcomer = Worker.remote()
+    extra.append(newcomer)
+    refs = [_run(a, _admit_links, r) for r, a in enumerate(actors[:3])]
+    raycoll.grow_group(name, [newcomer], timeout=TIMEOUT_S)
+    grown = ray.get(refs + [_run(newcomer, _reduce_links, 3)], timeout=60)
+    assert [(g["size"], g["value"]) for g in grown] == [(4, 10.0)] * 4
+    for old, new in zip(shrunk, grown):  # every connection of the shrunk group is kept
+        assert {k: v for k, v in new["conns"].items() if k in old["conns"]} == old["conns"]
+    assert [g["adopted"] for g in grown] == [2, 2, 2, 0]
+    assert [g["connected"] for g in grown] == [0, 0, 1, 1]  # 2 -> 3 and 3 -> 0
+
+
+@pytest.mark.timeout(90)
+def test_grow_refuses_a_member_and_a_group_with_a_dead_rank(team):
+    """The coordinator numbers the newcomers (the driver asks nothing first), and refuses
+    an actor that is a member already, and any newcomer while a rank of the group is dead."""
+    actors, name, extra = team
+    with pytest.raises(ValueError, match="already rank 1 of the group"):
+        raycoll.grow_group(name, [actors[1]], timeout=10)
+    ray.kill(actors[3], no_restart=True)
+    _wait_dead(name, {3})
+    newcomer = Worker.remote()
+    extra.append(newcomer)
+    with pytest.raises(raycoll.GroupBrokenError, match="shrink_group first"):
+        raycoll.grow_group(name, [newcomer], timeout=10)
+
+
+def _torch_shrink(rank: int) -> Dict[str, Any]:
+    """torch's shrink_group on the "raycoll" backend is refused (torch asks the group for a
+    per-device c10d Backend, which raycoll's group is not); the documented way goes on: raycoll's
+    shrink_group, then torch's default group formed again over the shrunk raycoll group."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("raycoll")
+    out: Dict[str, Any] = {}
+    if rank == 2:  # excluded: takes no part
+        dist.destroy_process_group()
+        return out
+    try:
+        dist.shrink_group([2])
+        out["torch"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["torch"] = f"{type(exc).__name__}: {exc}"
+    raycoll.shrink_group([2])
+    dist.destroy_process_group()
+    dist.init_process_group("raycoll")
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    out.update(sum=t.tolist(), who=(dist.get_rank(), dist.get_world_size()))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(90)
+def test_torch_shrink_group_is_refused_and_the_documented_way_works(ranks):
+    pytest.importorskip("torch")
+    out = ranks.run(_torch_shrink, 3)
+    for r in (0, 1):
+        assert out[r]["torch"].startswith("RuntimeError: Cannot access device backend"), out[r]
+        assert out[r]["sum"] == [3.0] * 3 and out[r]["who"] == (r, 2), out[r]

@@ -122,12 +122,14 @@ class CoordinatorClient:
     def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
                     new_rank: int, new_size: Optional[int], plan: Any,
                     info: Optional[Dict[str, Any]], config: Any,
-                    timeout_s: float) -> Dict[str, Any]:
+                    timeout_s: float, hand: Optional[Dict[str, Any]] = None,
+                    joining: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
         """Take part in a membership change (shrink or grow, see
         :mod:`raycoll.coordinator.elastic`); waits up to ``timeout_s`` for every rank of the
-        next generation. Returns ``{"members", "generation", "secret", "config"}``."""
+        next generation. Returns ``{"members", "generation", "secret", "config", "hands"}``."""
         ref: "ray.ObjectRef" = self.handle.reconfigure.remote(
-            kind, generation, old_rank, new_rank, new_size, plan, info, config, timeout_s)
+            kind, generation, old_rank, new_rank, new_size, plan, info, config, timeout_s, hand,
+            joining)
         return self.wait(ref, timeout_s, group=self.group_name, op=f"{kind}_group")
 
     def membership(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:

@@ -7,7 +7,8 @@ One RPC, :meth:`ElasticMixin.reconfigure`, serves both directions:
   (dead, or alive and left out) do not take part;
 - **grow** (:func:`raycoll.grow_group` from the driver, :func:`raycoll.admit_new_ranks` in
   each existing rank): every existing rank arrives with its rank kept, each new actor with
-  the next free rank and the new world size.
+  its place among the newcomers and their number (``joining``): it takes the next free rank
+  (the coordinator knows the world size: the driver asks nothing first).
 
 Once every rank of the new membership has arrived, the coordinator moves the group to
 generation ``g + 1`` at once: the calls of generation ``g`` still waiting here fail (an
@@ -42,8 +43,9 @@ class _Reconfiguration:
     generation: int
     plan: Any  # shrink: the excluded ranks; grow: None
     size: Optional[int]  # the new world size, once someone said it
-    arrivals: Dict[int, Tuple[Optional[int], Optional[Dict[str, Any]], Any]] = field(
-        default_factory=dict)  # new rank -> (old rank, rank info of a newcomer, its config)
+    # new rank -> (old rank, rank info of a newcomer, its config, what it hands over)
+    arrivals: Dict[int, Tuple[Optional[int], Optional[Dict[str, Any]], Any, Any]] = field(
+        default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: Optional[Result] = None
 
@@ -56,7 +58,8 @@ class ElasticMixin(CoordinatorState):
     async def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
                           new_rank: int, new_size: Optional[int], plan: Any,
                           info: Optional[Dict[str, Any]], config: Any,
-                          timeout_s: float) -> Result:
+                          timeout_s: float, hand: Optional[Dict[str, Any]] = None,
+                          joining: Optional[Tuple[int, int]] = None) -> Result:
         """Arrive at the change of the group into its next generation (see the module).
 
         ``kind``: ``"shrink"`` or ``"grow"``; ``generation``: the generation the caller is a
@@ -66,8 +69,14 @@ class ElasticMixin(CoordinatorState):
         (an existing rank growing the group passes ``None``: the newcomers say it);
         ``plan``: what every participant must agree on (the excluded ranks of a shrink);
         ``config``: what the group's ranks use (backend, timeout, options), handed to the
-        newcomers. Waits up to ``timeout_s`` for every rank of the next generation; returns
-        ``{"members", "generation", "secret", "config"}``."""
+        newcomers; ``hand``: what a member offers to keep of the old generation
+        (:mod:`raycoll.elastic_links`: its last sequence number and its whole connections),
+        handed to every participant. Waits up to ``timeout_s`` for every rank of the next
+        generation; returns ``{"members", "generation", "secret", "config", "hands"}``
+        (``hands``: each new rank's ``hand``, by new rank). ``joining``: a newcomer's
+        ``(index, count)`` among the actors joining together, in place of ``new_rank`` and
+        ``new_size`` (it takes rank ``world size + index``); refused while a member is dead
+        (the survivors must shrink first) or if the newcomer is a member already."""
         if kind not in ("shrink", "grow"):
             return err("value", f"reconfigure: kind must be 'shrink' or 'grow', got {kind!r}")
         if generation is not None and generation != self._generation:
@@ -77,6 +86,11 @@ class ElasticMixin(CoordinatorState):
         if old_rank is not None and old_rank not in self._members:
             return err("value", f"{kind} of group {self._group_name!r}: rank {old_rank} is not a "
                        f"member (members: {fmt_ranks(sorted(self._members))})")
+        if joining is not None:
+            refused = self._refuse_newcomer(info)
+            if refused is not None:
+                return refused
+            new_rank, new_size = self._world_size + joining[0], self._world_size + joining[1]
         rc = self._reconf
         if rc is not None and not rc.done.is_set() and rc.kind == "grow" and kind == "shrink":
             # a rank died while newcomers were coming: the survivors' shrink goes first
@@ -108,7 +122,7 @@ class ElasticMixin(CoordinatorState):
         if new_rank in rc.arrivals or new_rank < 0 or (rc.size is not None and new_rank >= rc.size):
             return err("value", f"{kind} of group {self._group_name!r}: new rank {new_rank} is "
                        f"taken or out of range (new world size {rc.size})")
-        rc.arrivals[new_rank] = (old_rank, info, config)
+        rc.arrivals[new_rank] = (old_rank, info, config, hand)
         self._maybe_reconfigure(rc)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not rc.done.is_set():
@@ -138,11 +152,24 @@ class ElasticMixin(CoordinatorState):
                    "dead": sorted(self._dead)})
 
     # ------------------------------------------------------------------ internals
+    def _refuse_newcomer(self, info: Optional[Dict[str, Any]]) -> Optional[Result]:
+        """Why a newcomer (rank info ``info``) cannot join now, or ``None``."""
+        if self._dead:
+            return err("aborted", f"grow of group {self._group_name!r}: ranks "
+                       f"{fmt_ranks(sorted(self._dead))} of the group died; its survivors must "
+                       "shrink_group first, then grow it")
+        actor_id = (info or {}).get("actor_id")
+        members = [r for r, m in self._members.items() if actor_id and m.get("actor_id") == actor_id]
+        if members:
+            return err("value", f"grow of group {self._group_name!r}: a new actor is already "
+                       f"rank {members[0]} of the group (new_actors must not be members)")
+        return None
+
     def _maybe_reconfigure(self, rc: _Reconfiguration) -> None:
         if rc.size is None or len(rc.arrivals) < rc.size:
             return
         if rc.kind == "grow":
-            kept = {old for old, _info, _config in rc.arrivals.values() if old is not None}
+            kept = {old for old, _info, _config, _hand in rc.arrivals.values() if old is not None}
             if kept != set(range(self._world_size)):
                 return  # an existing rank still to come: its rank is among the arrivals
         self._apply(rc)
@@ -155,7 +182,7 @@ class ElasticMixin(CoordinatorState):
                    f"({rc.kind}): calls of generation {old_generation} cannot complete", {})
         members: Dict[int, Dict[str, Any]] = {}
         config: Any = None
-        for new_rank, (old_rank, info, given) in sorted(rc.arrivals.items()):
+        for new_rank, (old_rank, info, given, _hand) in sorted(rc.arrivals.items()):
             record = info if old_rank is None else self._members[old_rank]
             members[new_rank] = dict(record or {})
             if config is None and old_rank is not None:
@@ -171,8 +198,9 @@ class ElasticMixin(CoordinatorState):
         self._secret = secrets.token_bytes(16)
         self._roster = [dict(members[r], rank=r) for r in range(rc.size)]
         self._left = set()
+        hands = {r: hand for r, (_old, _info, _given, hand) in rc.arrivals.items() if hand}
         rc.answer = ok({"members": self._roster, "generation": self._generation,
-                        "secret": self._secret, "config": config})
+                        "secret": self._secret, "config": config, "hands": hands})
         rc.done.set()
 
     def _reset_calls(self) -> None:

@@ -205,6 +205,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _open(sock: socket.socket) -> bool:
+    """Whether connection ``sock`` is open both ways with nothing to read on it (no byte of
+    an earlier message waiting; a peer never writes to a connection it reads)."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | _CLOSED_EVENTS)
+        events = poller.poll(0)
+    except (OSError, ValueError):
+        return False
+    return not any(ev & (_CLOSED_EVENTS | select.POLLIN) for _fd, ev in events)
+
+
 def tcp_possible(ctx: "GroupContext") -> bool:
     """Whether every rank of ``ctx`` can be reached directly (each reported an address)."""
     return ctx.size > 1 and ctx.secret is not None and all(a for a in ctx.addresses)
@@ -236,6 +248,11 @@ class Links:
         self._out: Dict[Tuple[int, str], Out] = {}
         self._in: Dict[Tuple[int, str], socket.socket] = {}
         self._closed = False
+        #: connections this rank made (``outgoing``) and took over from the group's earlier
+        #: generation (``adopt``), ever: what a test reads to see that a shrink or a grow
+        #: kept the survivors' connections
+        self.connected = 0
+        self.adopted = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -330,7 +347,57 @@ class Links:
                 raise PeerClosed(f"group {self.key!r} is closed on this rank")
             out = Out(sock)
             self._out[(dst, purpose)] = out
+            self.connected += 1
             return out
+
+    def whole(self, purpose: str, peers: Sequence[int],
+              check: Callable[[str, int], bool]) -> List[Tuple[str, int]]:
+        """This rank's connections for ``purpose`` with group ranks ``peers`` whose streams
+        are whole, as far as it can tell (not shut, no byte waiting to be read, and
+        ``check(direction, peer)``), as ``(direction, peer)``, direction ``"out"`` or
+        ``"in"``: what a later generation of the group may take over
+        (:mod:`raycoll.elastic_links`)."""
+        found: List[Tuple[str, int]] = []
+        with self._lock:
+            if self._closed:
+                return found
+            for peer in peers:
+                out = self._out.get((peer, purpose))
+                if out is not None and out.broken is None and _open(out.sock) \
+                        and check("out", peer):
+                    found.append(("out", peer))
+                sock = self._in.get((peer, purpose))
+                if sock is not None and _open(sock) and check("in", peer):
+                    found.append(("in", peer))
+        return found
+
+    def hand_over(self, purpose: str, keys: Sequence[Tuple[str, int]]) -> Dict[Tuple[str, int], Any]:
+        """Take connections ``keys`` (``(direction, peer)``, from :meth:`whole`) for
+        ``purpose`` out of these links: returned (an :class:`Out`, or an incoming socket),
+        no longer held here (closing the links leaves them open)."""
+        taken: Dict[Tuple[str, int], Any] = {}
+        with self._lock:
+            for direction, peer in keys:
+                table: Dict[Tuple[int, str], Any] = self._out if direction == "out" else self._in
+                conn = table.pop((peer, purpose), None)
+                if conn is not None:
+                    taken[(direction, peer)] = conn
+        return taken
+
+    def adopt(self, purpose: str, conns: Dict[Tuple[str, int], Any]) -> None:
+        """Hold connections of an earlier generation of this group (from
+        :meth:`hand_over`, keyed by this group's ranks now) as this group's for
+        ``purpose``: no new connection, no hello."""
+        with self._lock:
+            if self._closed:
+                raise PeerClosed(f"group {self.key!r} is closed on this rank")
+            for (direction, peer), conn in conns.items():
+                if direction == "out":
+                    self._out[(peer, purpose)] = conn
+                else:
+                    self._in[(peer, purpose)] = conn
+            self.adopted += len(conns)
+            self._lock.notify_all()
 
     def drop(self, dst: int, purpose: str, out: Out) -> None:
         """Close an outgoing connection whose stream is no longer whole."""

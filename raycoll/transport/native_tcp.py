@@ -190,6 +190,18 @@ class NativeSockets:
                 raise PeerClosed("the group is closed on this rank")
             table[slot] = os.dup(sock.fileno())
 
+    def whole(self, direction: str, peer: int) -> bool:
+        """Whether this rank's stream with group rank ``peer`` (``direction``: ``"out"``
+        or ``"in"``) is whole between calls: no run in flight, not shut by the core, no
+        header read ahead (what a later generation of the group may take over)."""
+        with self._lock:
+            if self._busy:
+                return False
+            conn = self.conns[peer]
+            if direction == "out":
+                return not conn["out_cut"]
+            return not conn["in_cut"] and not conn["held"]
+
     def _idle(self) -> None:
         """A run ended: the last one out after a close closes the descriptors."""
         with self._lock:
