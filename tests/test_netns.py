@@ -2,7 +2,8 @@
 namespaces behind shaped veth links. Ranks listen on their namespace's veth; a node's link
 taken down while its ranks live fails every rank with a named error within the group's
 bound, and a group formed again afterwards works; a partition between two halves does the
-same; the harness leaves the machine's network and processes as it found them."""
+same; a rank killed on one node leaves survivors that shrink the group and a replacement that
+grows it, across the links; the harness leaves the machine's network and processes as it found them."""
 
 from __future__ import annotations
 
@@ -247,6 +248,54 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
         assert "all_reduce #" in res["msg"], res
         # the ranks named are the slow node's (ranks 2 and 3), never the fast one's
         assert res["missing"] and set(res["missing"]) <= {2, 3}, res
+
+
+def test_a_rank_killed_on_one_node_survivors_shrink_and_a_replacement_grows_it(
+        raycoll_netns, team, tmp_path):
+    """Elastic groups across the namespaces' links (issue 46): rank 3 (node 2) SIGKILLed
+    mid-stream; the survivors (two on node 1, one on node 2) fail naming it, shrink and
+    reduce right; a new actor on node 2 grows the group and takes rank 0's state over the
+    links; the four reduce right."""
+    import os
+    import signal
+
+    from test_elastic import (_admit_and_share, _pid, _reduce_until_failure, _share,
+                              _shrink_and_reduce, _state)
+
+    cluster = raycoll_netns
+    name = f"elastic-{uuid.uuid4().hex[:6]}"
+    raycoll.create_group(team, group_name=name, timeout=60)
+    newcomer = Worker.options(**cluster.actor_options(2)).remote()
+    try:
+        pids = ray.get([a.run.remote(_pid, r, (), {}) for r, a in enumerate(team)], timeout=60)
+        marker = str(tmp_path / "first")
+        refs = [a.run.remote(_reduce_until_failure, r, (marker,), {})
+                for r, a in enumerate(team)]
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(4)):
+            assert time.monotonic() < deadline, "the stream of all_reduces never started"
+            time.sleep(0.02)
+        os.kill(pids[3], signal.SIGKILL)
+        for out in ray.get(refs[:3], timeout=BOUND_S + 30):
+            assert out["type"] == "RankFailedError" and out["failed"] == [3], out
+        shrunk = ray.get([team[r].run.remote(_shrink_and_reduce, r, ([3], raycoll.SHRINK_DEFAULT),
+                                             {}) for r in range(3)], timeout=120)
+        for r, out in enumerate(shrunk):
+            assert (out["rank"], out["size"], out["value"], out["equal"]) == (r, 3, 6.0, True), out
+        refs = [a.run.remote(_admit_and_share, r, (_state(3) if r == 0 else None,), {})
+                for r, a in enumerate(team[:3])]
+        raycoll.grow_group(name, [newcomer], timeout=60)
+        refs.append(newcomer.run.remote(_share, 3, (None,), {}))
+        grown = ray.get(refs, timeout=120)
+        assert [g["rank"] for g in grown] == [0, 1, 2, 3]
+        for g in grown:
+            assert (g["size"], g["value"], g["equal"], g["step"]) == (4, 10.0, True, 3), g
+            assert g["w"] == (np.arange(1000, dtype=np.float32) * 3).tolist()
+    finally:
+        try:
+            raycoll.destroy_group(name)
+        finally:
+            ray.kill(newcomer, no_restart=True)
 
 
 def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before,
