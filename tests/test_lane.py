@@ -240,8 +240,8 @@ def test_re_forming_groups_leaves_nothing_in_the_object_store(ranks):
 
 
 def _uneven_all_to_all(rank: int) -> Any:
-    """all_to_all_single where only rank 0's part is too large for the lane (5 MB to rank
-    1): every rank must go on to the coordinator together; then a small one on the lane."""
+    """all_to_all_single where only rank 0's part to rank 1 is large (5 MB, several steps of
+    the segment) and the rest 3 elements; then a small one, and one whose pairs disagree."""
     w = raycoll.get_world_size()
     big = 5_000_000 // 8
     send = [big if (rank == 0 and j == 1) else 3 for j in range(w)]
@@ -260,7 +260,7 @@ def _uneven_all_to_all(rank: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_all_to_all_uses_the_lane_only_when_every_rank_fits(ranks):
+def test_all_to_all_of_uneven_parts_runs_on_the_lane_and_a_disagreement_fails_alike(ranks):
     results = ranks.run(_uneven_all_to_all, 3)
     for rank, (firsts, small, bad, lane_calls) in enumerate(results):
         assert firsts == [100.0 * s + rank for s in range(3)], (rank, firsts)

@@ -302,3 +302,50 @@ def test_a_frame_held_in_memory_decodes_to_its_message():
     np.testing.assert_array_equal(payload[0], arr)
     np.testing.assert_array_equal(payload[2][0], arr[:, 1])
     assert payload[1] is None and payload[2][1] == b"x"
+
+
+def _fallback_warnings(rank: int, name: str) -> Any:
+    """Two all_reduces, each on a new subgroup of group ``name`` (the first in this process
+    warns, the next does not), with the warnings each raised and where the data went."""
+    import warnings
+
+    import raycoll.native
+
+    out = []
+    for _ in range(2):  # a group of its own each time: the second does not warn again
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = np.full(3, float(rank + 1))
+            sub = raycoll.new_group([0, 1])
+            raycoll.all_reduce(x, group=sub)
+        out.append([str(w.message) for w in caught if w.category is RuntimeWarning])
+    return out, x.tolist(), sub.transport_name, raycoll.native.native_status()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_the_native_core_sends_the_group_through_the_store_warning_once():
+    """One rank has the native core turned off: the group's collectives go through the object
+    store (the one fallback) on every rank, and each process says so once, naming why: the
+    rank without the core its own reason, the other that a rank of the group lacks it."""
+    from raycoll.launch import RankWorker
+
+    worker = ray.remote(num_cpus=0)(RankWorker)
+    team = [worker.options(runtime_env={"env_vars": {"RAYCOLL_NATIVE": "0"}}).remote(),
+            worker.remote()]
+    name = f"fallback-{uuid.uuid4().hex[:8]}"
+    raycoll.create_group(team, group_name=name, timeout=60)
+    try:
+        got = ray.get([a.run.remote(_fallback_warnings, r, (name,), {})
+                       for r, a in enumerate(team)], timeout=90)
+    finally:
+        raycoll.destroy_group(name)
+        for a in team:
+            ray.kill(a)
+    (off_warned, off_x, off_via, off_status), (on_warned, on_x, on_via, on_status) = got
+    assert off_x == on_x == [3.0] * 3
+    assert off_via == on_via == "store"
+    assert off_status == "turned off by RAYCOLL_NATIVE=0" and on_status == "in use"
+    assert len(off_warned[0]) == 1 and off_warned[1] == [], off_warned
+    assert "Ray object store" in off_warned[0][0] and "RAYCOLL_NATIVE=0" in off_warned[0][0]
+    assert len(on_warned[0]) == 1 and on_warned[1] == [], on_warned
+    assert "a rank of the group runs without the native core" in on_warned[0][0]
