@@ -14,8 +14,9 @@ Python plans, native code moves bytes. :mod:`raycoll.native._core` (C, built by
   buffers.
 
 Where the extension is absent (no compiler at install time) or turned off
-(``RAYCOLL_NATIVE=0``), raycoll runs its Python transports instead, with the same semantics
-and tests: :func:`native_available` says which, :func:`native_status` why.
+(``RAYCOLL_NATIVE=0``), raycoll's CPU collectives go through the Ray object store instead,
+the one fallback, with the same semantics, and point-to-point over Python sockets:
+:func:`native_available` says which, :func:`native_status` why.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 __all__ = ["native_available", "native_status", "core", "DTYPE_CODES", "OP_CODES", "dtype_code",
            "op_code", "CONN_DTYPE"]
 
-#: Set to ``0`` to run without the native core (the Python transports), e.g. to compare.
+#: Set to ``0`` to run without the native core (the object store's fallback), e.g. to compare.
 ENV = "RAYCOLL_NATIVE"
 
 core: Any = None

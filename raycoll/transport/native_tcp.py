@@ -6,9 +6,8 @@ reductions in place.
 
 Used by :class:`~raycoll.transport.tcp.TcpTransport` when every rank of the group has the
 native core (rendezvous tells). Its messages go over connections of their own (purpose
-``"ncoll"``, made on first use like the others), so that they never meet the Python rounds'
-frames. The counters (``ProcessGroup.counters()``) gain exactly what the Python rounds would
-count, brought up to date once per run of calls of one kind (and when read), not per call.
+``"ncoll"``, made on first use like the others), so that they never meet point-to-point's
+frames. The counters (``ProcessGroup.counters()``) gain exactly what moved, brought up to date once per run of calls of one kind (and when read), not per call.
 ``raycoll.all_reduce``'s short path replays what the full path ran for an array of the same
 dtype and size (:meth:`NativeSockets.fast_plan`): tens of microseconds of Python fewer a
 call.
@@ -18,8 +17,7 @@ before its bytes: a message of an earlier (failed) call is skipped; one of a lat
 kept for it and fails this one (its sender left this call out, say rejected its arguments);
 one that does not match this rank's call fails the call, here, and, through the coordinator,
 on every rank (``CollectiveMismatchError``). Either way the streams stay whole and the group
-goes on. A connection that closes, a timeout or a dead rank breaks the group, as on the Python
-rounds.
+goes on. A connection that closes, a timeout or a dead rank breaks the group.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The node segment: a group's ranks on one node run every CPU collective through one
 shared-memory segment, natively (raycoll's compiled core, :mod:`raycoll.native`).
 
-This is the shared-memory lane where the native core is built (without it, the lane is Ray's
-shared-memory channels: :mod:`raycoll.transport.lane`). The segment's layout and protocol are
+A group on one node runs here where every rank has the native core (without it, through the
+Ray object store: the one fallback); a group on several nodes gets one per node beside its
+direct connections (:mod:`raycoll.transport.node_segment`). The segment's layout and protocol are
 written once, in ``raycoll/native/segment.h``; the plans (which bytes each step moves) in
 :mod:`raycoll.algorithms.segment_plans`. A collective is one native call: the GIL is
 released while it copies, reduces and waits, and no Python runs between two steps.
