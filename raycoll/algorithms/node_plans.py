@@ -23,12 +23,6 @@ all_reduce, in two forms (:func:`all_reduce`):
   exchanges that part with its rail's peers and reduces them in node order (the inter-node
   step, on its part only), and writes the result into its next half, where the next step's
   readers copy it (the all-gather in the node, riding on the next chunk's step).
-- **cross-memory** (from ``CMA_BYTES``, where every rank may read its node-mates' memory):
-  the first step publishes every local rank's buffer; rail rank ``i`` reduces part ``i`` out
-  of them into its own buffer (one copy a byte), exchanges it with its rail in pieces and
-  reduces them in node order; after a second step every local rank reads the other rails'
-  parts out of their buffers, and a third makes sure no one still reads a buffer its owner
-  has got back.
 
 Buffers: 0 the rank's flat buffer (in place), 1 a scratch (:attr:`NativePlan.scratch`
 bytes: one slot per node for the inter-node reduction). Plans are pure functions of what
@@ -45,20 +39,13 @@ import numpy as np
 from raycoll.algorithms.native_plans import (FINAL, FLAT, LOCAL, MREDUCE, RECV, SCRATCH, SEND,
                                              XFER, NativePlan)
 from raycoll.algorithms.schedule import blocks
-from raycoll.algorithms.segment_plans import (ALIGN, COPY, CREAD, CREDUCE, FIRST, PUBLISH,
-                                              REDUCE, SYNC, WRITE)
+from raycoll.algorithms.segment_plans import ALIGN, COPY, REDUCE, SYNC, WRITE, FIRST
 from raycoll.transport.counters import Counters
 
 __all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "SMALL_BYTES"]
 
 #: all_reduce up to this many bytes takes the small form (one segment step, one exchange).
 SMALL_BYTES = 64 << 10
-#: ... from this many on, where every rank may read its node-mates' memory, the
-#: cross-memory form (one copy a byte in the node, three segment steps whatever the size)
-CMA_BYTES = 1 << 20
-#: The cross-memory form exchanges a rail's part between nodes in pieces of this many bytes
-#: (the scratch holds one a node).
-PIECE_BYTES = 4 << 20
 
 Op = Tuple[int, int, int, int, int, int, int, int]
 
@@ -110,15 +97,11 @@ def _down(n: int, to: int) -> int:
 
 @lru_cache(maxsize=256)
 def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, half: int,
-               finish: bool, small_bytes: int = SMALL_BYTES, cma: bool = False,
-               cma_bytes: int = CMA_BYTES, piece_bytes: int = PIECE_BYTES) -> NativePlan:
+               finish: bool, small_bytes: int = SMALL_BYTES) -> NativePlan:
     """Rank ``rank``'s hierarchical all_reduce of ``count`` elements of ``itemsize`` bytes
     (buffer 0, in place) on the group whose ranks are on ``node_ids``; ``half``: the smallest
-    segment half of the group's nodes; ``finish``: the op has a final step (AVG, PREMUL_SUM);
-    ``cma``: every rank may read its node-mates' buffers (then from ``CMA_BYTES`` on, the
-    cross-memory form). See the module docstring."""
-    if cma and count * itemsize >= cma_bytes:
-        return _cma_all_reduce(count, itemsize, node_ids, rank, finish, piece_bytes)
+    segment half of the group's nodes; ``finish``: the op has a final step (AVG, PREMUL_SUM).
+    See the module docstring."""
     lay = layout(node_ids)
     home = lay.node_of[rank]
     li = lay.local[rank]
@@ -303,47 +286,6 @@ def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
         remote = [(*_piece(pieces, r, nbytes), nbytes) for m in others for r in lay.nodes[m]]
         _seg_broadcast(ops, [x for x in remote if x[2]], 0, li, half, False)
     return _plan(ops, 0, peers, counts)
-
-
-@lru_cache(maxsize=256)
-def _cma_all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int,
-                    finish: bool, piece_bytes: int) -> NativePlan:
-    """all_reduce reading the node-mates' buffers across processes (published by the first
-    step): rail rank ``i`` reduces part ``i`` of every local rank's buffer into its own,
-    exchanges it with its rail in pieces of ``piece_bytes`` (reduced in node order), then,
-    after a step, every local rank reads the other rails' parts out of their buffers; a last
-    step makes sure no one still reads a buffer its owner has got back."""
-    lay = layout(node_ids)
-    home, li = lay.node_of[rank], lay.local[rank]
-    k = len(lay.nodes[home])
-    nnodes, rails = len(lay.nodes), lay.rails
-    rail = li < rails
-    peers = [(m, lay.nodes[m][li]) for m in range(nnodes) if m != home] if rail else []
-    parts = blocks(0, count, rails)
-    a, b = parts[li] if rail else (0, 0)
-    piece = max(1, piece_bytes // itemsize)
-    stride = min(piece, max(b - a, 1)) * itemsize
-    ops: List[Op] = []
-    counts = Counters()
-    if k > 1:
-        ops.append((SYNC, 0, 0, 0, 0, 0, FIRST | PUBLISH, 0))
-        if b > a:  # this rail's part, reduced out of every local rank's buffer, in place
-            ops.append((CREDUCE, FLAT, a * itemsize, (b - a) * itemsize, 0, a * itemsize,
-                        FLAT, 0))
-    for c, lo in enumerate(range(a, b, piece)):
-        hi = min(lo + piece, b)
-        n = (hi - lo) * itemsize
-        ops.append((LOCAL, SCRATCH, home * stride, n, FLAT, lo * itemsize, 0, 0))
-        _exchange(ops, counts, peers, home, n, stride, c)
-        ops.append((MREDUCE, FLAT, lo * itemsize, n, SCRATCH, 0, nnodes, stride))
-        if finish:
-            ops.append((FINAL, FLAT, lo * itemsize, n, 0, 0, 0, 0))
-    if k > 1:
-        ops.append(_sync())
-        ops += [(CREAD, FLAT, lo * itemsize, (hi - lo) * itemsize, j, lo * itemsize, FLAT, 0)
-                for j, (lo, hi) in enumerate(parts) if j != li and hi > lo]
-        ops.append(_sync())
-    return _plan(ops, nnodes * stride if b > a else 0, peers, counts)
 
 
 def _publish_part(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,

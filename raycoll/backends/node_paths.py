@@ -88,8 +88,7 @@ class NodePaths:
             node: NodeSegment = self._node
             finish = op.name in ("AVG", "PREMUL_SUM")
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish,
-                                         cma=node.cma)
+                                         self.ctx.rank, node.half, finish)
             self._node_run(plane, call, plan, flat, (), codes, op)
         return True
 
@@ -105,8 +104,7 @@ class NodePaths:
         finish = op.name in ("AVG", "PREMUL_SUM")
         with flat_out(arr) if self.ctx.rank == dst else _copy(arr) as flat:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish,
-                                         cma=node.cma)
+                                         self.ctx.rank, node.half, finish)
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
         return True
 
