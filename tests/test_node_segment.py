@@ -133,7 +133,7 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
     """broadcast and reduce from every root and all_gather, small and streamed through a
     small segment: right against numpy (a reduce leaves the other ranks' buffers as they
     were), on the node-aware plans."""
-    sizes = (3, 30_001)
+    sizes = (3, 30_001)  # 30_001 float32: past NODE_BROADCAST_BYTES
     actors = _actors(layout)
     try:
         results = run_on(actors, _move_every_case, (sizes,), timeout=240,
@@ -147,15 +147,16 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
         wants = []
         for n in sizes:
             for root in range(w):
-                wants.append(data(root, (n,), "float32", salt=root))
+                # (a broadcast under NODE_BROADCAST_BYTES keeps the socket schedule)
+                wants.append((data(root, (n,), "float32", salt=root), n * 4 >= 65536))
                 mine = data(rank, (n,), "int64", salt=root)
-                wants.append(sum(data(r, (n,), "int64", salt=root) for r in range(w))
-                             if rank == root else mine)
+                wants.append((sum(data(r, (n,), "int64", salt=root) for r in range(w))
+                              if rank == root else mine, True))
             gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
-            wants += [gathered, gathered]
+            wants += [(gathered, True), (gathered, True)]
         assert len(got) == len(wants)
-        for i, ((x, algo), want) in enumerate(zip(got, wants)):
-            assert algo == "node_hierarchical", (layout, rank, i, algo)
+        for i, ((x, algo), (want, node)) in enumerate(zip(got, wants)):
+            assert (algo == "node_hierarchical") == node, (layout, rank, i, algo)
             np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
 
 

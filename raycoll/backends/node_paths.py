@@ -6,8 +6,8 @@ all_reduce, reduce, broadcast and all_gather.
 **The rule** (the same on every rank, from what they all agree on): a collective takes its
 hierarchical plan where the group may have node segments (``node_segment_possible``: the
 native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
-ranks), the buffer is not empty, the core reduces the op and dtype, and no algorithm is
-forced for the collective (a forced one runs as the socket schedule it names). Measured
+ranks), the buffer is not empty (a broadcast: at least ``NODE_BROADCAST_BYTES``), the core
+reduces the op and dtype, and no algorithm is forced for the collective (a forced one runs as the socket schedule it names). Measured
 (benchmarks/BENCHMARKS.md, "Node segments on several nodes": 2 + 2 ranks, the plan against
 the socket schedule the cost model picks, same actors, same run) faster at 4 B, 1 MiB and
 64 MiB. It is a measured rule rather than the cost model's choice because the model's
@@ -36,10 +36,15 @@ from raycoll.reduce_op import ReduceOp
 from raycoll.transport.node_segment import (NodeSegment, node_segment_possible,
                                             set_up_node_segment)
 
-__all__ = ["NodePaths", "NODE_ALGORITHM"]
+__all__ = ["NodePaths", "NODE_ALGORITHM", "NODE_BROADCAST_BYTES"]
 
 #: The algorithm's name in ``last_route`` and ``group_status``.
 NODE_ALGORITHM = "node_hierarchical"
+#: A broadcast smaller than this keeps the socket schedule: the root's sends do not wait for
+#: their readers there, while every segment step waits for every rank of its node (4 B on
+#: 2 + 2 ranks, back to back: 224 us on the sockets, 1,246 us node-aware, on a loaded
+#: machine; 1 MiB: 1.12x faster node-aware, 64 MiB 1.6-4.1x: BENCHMARKS.md).
+NODE_BROADCAST_BYTES = 64 << 10
 
 
 class NodePaths:
@@ -110,6 +115,8 @@ class NodePaths:
 
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
         """broadcast of ``arr`` from ``src`` as one node-aware plan."""
+        if arr.nbytes < NODE_BROADCAST_BYTES:
+            return False
         plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize)
         if plane is None:
             return False
