@@ -133,7 +133,7 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
     """broadcast and reduce from every root and all_gather, small and streamed through a
     small segment: right against numpy (a reduce leaves the other ranks' buffers as they
     were), on the node-aware plans."""
-    sizes = (3, 30_001)  # 30_001 float32: past NODE_BROADCAST_BYTES
+    sizes = (3, 300_001)  # 300_001 float32: past NODE_BROADCAST_BYTES (1 MiB)
     actors = _actors(layout)
     try:
         results = run_on(actors, _move_every_case, (sizes,), timeout=240,
@@ -148,7 +148,7 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
         for n in sizes:
             for root in range(w):
                 # (a broadcast under NODE_BROADCAST_BYTES keeps the socket schedule)
-                wants.append((data(root, (n,), "float32", salt=root), n * 4 >= 65536))
+                wants.append((data(root, (n,), "float32", salt=root), n * 4 >= 1 << 20))
                 mine = data(rank, (n,), "int64", salt=root)
                 wants.append((sum(data(r, (n,), "int64", salt=root) for r in range(w))
                               if rank == root else mine, True))

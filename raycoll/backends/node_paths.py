@@ -41,10 +41,10 @@ __all__ = ["NodePaths", "NODE_ALGORITHM", "NODE_BROADCAST_BYTES"]
 #: The algorithm's name in ``last_route`` and ``group_status``.
 NODE_ALGORITHM = "node_hierarchical"
 #: A broadcast smaller than this keeps the socket schedule: the root's sends do not wait for
-#: their readers there, while every segment step waits for every rank of its node (4 B on
-#: 2 + 2 ranks, back to back: 224 us on the sockets, 1,246 us node-aware, on a loaded
-#: machine; 1 MiB: 1.12x faster node-aware, 64 MiB 1.6-4.1x: BENCHMARKS.md).
-NODE_BROADCAST_BYTES = 64 << 10
+#: their readers there, while every segment step waits for every rank of its node (2 + 2
+#: ranks, back to back, on a loaded machine: node-aware 0.18x the sockets at 4 B, 0.21x at
+#: 64 KiB, 0.67x at 256 KiB; 1.12x at 1 MiB, 1.6-4.1x at 64 MiB: BENCHMARKS.md).
+NODE_BROADCAST_BYTES = 1 << 20
 
 
 class NodePaths:
