@@ -160,6 +160,40 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
             np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
 
 
+def _mismatched(rank, odd):
+    """A first all_reduce to set the segments up, then one where rank ``odd`` passes another
+    shape (past the small form: streamed), then one all agree on."""
+    out = []
+    raycoll.all_reduce(np.ones(8))
+    x = np.ones(100_001 if rank == odd else 100_000)
+    try:
+        raycoll.all_reduce(x)
+        out.append(None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.append((type(exc).__name__, str(exc)))
+    y = np.full(5, float(rank))
+    raycoll.all_reduce(y)
+    out.append(float(y[0]))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_shape_mismatch_fails_every_rank_and_the_group_goes_on(two_nodes):
+    """2 + 2 ranks: rank 1 passes another shape: every rank fails the call with
+    ``CollectiveMismatchError`` (rank 1's node-mate naming the shapes, from the segment's
+    fingerprints), and the next all_reduce is right on every rank."""
+    actors = _actors("2+2")
+    try:
+        got = run_on(actors, _mismatched, (1,), group_name="node-seg-mismatch", timeout=120)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    for rank, (failure, after) in enumerate(got):
+        assert failure is not None and failure[0] == "CollectiveMismatchError", (rank, failure)
+        assert after == 6.0, (rank, after)
+    assert "shape" in got[0][0][1], got[0][0]
+
+
 def _socket_schedule(rank):
     x = np.full(1000, float(rank + 1))
     raycoll.all_reduce(x)

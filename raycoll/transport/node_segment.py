@@ -31,6 +31,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from raycoll import errors
+from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.native import core
 from raycoll.options import or_default
 from raycoll.transport.fingerprints import Fingerprints
@@ -79,6 +80,19 @@ class NodeSegment:
         """Unmap the segment (a run in flight in another thread ends first: ``CLOSED``)."""
         if self.seg is not None:
             self.seg.close()
+
+    def mismatch(self, ctx: "GroupContext") -> Optional[str]:
+        """What the node's ranks disagreed on at the call's first step (a ``MISMATCH`` of the
+        segment), or ``None`` where they agree (the mismatch came over a socket)."""
+        if self.seg is None:
+            return None
+        parity = self.seg.step & 1
+        try:
+            fps = {self.ranks[j]: Fingerprints.decode(self.seg.info(j, parity)["fp"])
+                   for j in range(len(self.ranks))}
+        except Exception:  # noqa: BLE001 - an undecodable info: the sockets' words then
+            return None
+        return fingerprint_mismatch(fps, ctx.global_ranks)
 
     def failed(self, ctx: "GroupContext", tcp: Any, call: "Call", status: int,
                peer: int) -> Optional[BaseException]:
