@@ -237,7 +237,8 @@ class NativeSockets:
                 node.seg if node is not None else None, plan.ops,
                 (_bytes(flat), self._scratch, *map(_bytes, more)), codes[0], codes[1], factor,
                 divisor, call.seq, node.encode(call.fp) if node is not None else b"", wait,
-                self._check, (self.out_fd, self.in_fd, self.conns, fp))
+                self._check, (self.out_fd, self.in_fd, self.conns, fp),
+                node.rank_map if node is not None else b"")
         finally:
             self.tcp._waiting = None
         if status:

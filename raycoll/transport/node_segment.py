@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
+import numpy as np
+
 from raycoll import errors
 from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.native import core
@@ -69,6 +71,8 @@ class NodeSegment:
     def __init__(self, seg: Any, ranks: Tuple[int, ...], half: int) -> None:
         self.seg = seg
         self.ranks = ranks
+        #: each local rank's group rank, as the executor's waits name pending ranks by
+        self.rank_map = np.array(ranks, dtype=np.int32).tobytes()
         self.half = half
         self._fps = Fingerprints()
 
