@@ -7,14 +7,16 @@ all_reduce, reduce, broadcast and all_gather.
 hierarchical plan where the group may have node segments (``node_segment_possible``: the
 native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
 ranks), the buffer is not empty (a broadcast: at least ``NODE_BROADCAST_BYTES``), the core
-reduces the op and dtype, and no algorithm is forced for the collective (a forced one runs as the socket schedule it names). Measured
-(benchmarks/BENCHMARKS.md, "Node segments on several nodes": 2 + 2 ranks, the plan against
-the socket schedule the cost model picks, same actors, same run) faster at 4 B, 1 MiB and
-64 MiB. It is a measured rule rather than the cost model's choice because the model's
-defaults price a message as the Python transports' (tens of microseconds) and every step a
-wake-up on this machine, which puts the one-step direct exchange below the plan's two steps
-at 4 B, against the measurement; once the model is recalibrated for the native executor
-(issue 43, item 4) the plan becomes a catalog entry it prices.
+reduces the op and dtype, and no algorithm is forced for the collective (a forced one runs
+as the socket schedule it names). Measured (benchmarks/BENCHMARKS.md, "Node segments on
+several nodes": the plan against the socket schedule the cost model picks, same actors,
+same run, 2 + 2 and 3 + 1 ranks): 1.04-1.12x at 4 B, even at 1 MiB (0.97-1.25x), 1.5-2.2x
+at 64 MiB for all_reduce; all_gather 1.0-7.4x. It is a measured rule rather than the cost
+model's choice because the model's defaults price a message as the Python transports'
+(tens of microseconds) and every step a wake-up on this machine, which puts the one-step
+direct exchange below the plan's two steps at 4 B, against the measurement; once the model
+is recalibrated for the native executor (issue 43, item 4) the plan becomes a catalog entry
+it prices.
 
 The node segments are set up inside the first collective that takes the path. Each method
 returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
