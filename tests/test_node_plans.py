@@ -194,3 +194,23 @@ def test_all_gather_plans_gather_every_piece(layout, nbytes):
     for m, ranks in enumerate(lay.nodes):  # each node's pieces enter every other node once
         out = sum(n for (s, _), n in sent.items() if s in ranks)
         assert out == nbytes * len(ranks) * (len(lay.nodes) - 1), (layout, m, out)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("count", [1, 7, 3_001])
+def test_reduce_scatter_plans_reduce_each_piece_into_its_rank(layout, count):
+    nodes = LAYOUTS[layout]
+    size, half = len(nodes), 4096
+    plans = [npl.reduce_scatter(count, 8, tuple(nodes), r, half, False) for r in range(size)]
+    inputs = [np.arange(count * size, dtype=np.int64) * (r + 1) + r for r in range(size)]
+    bufs = [[inputs[r].copy().view(np.uint8), np.zeros(p.scratch, np.uint8),
+             np.zeros(count * 8, np.uint8)] for r, p in enumerate(plans)]
+    sent = _run([p.ops for p in plans], bufs, nodes, half)
+    total = sum(inputs)
+    for r in range(size):
+        np.testing.assert_array_equal(bufs[r][2].view(np.int64),
+                                      total[r * count:(r + 1) * count], err_msg=f"rank {r}")
+    lay = npl.layout(tuple(nodes))
+    for m, ranks in enumerate(lay.nodes):  # each remote rank's piece leaves the node once
+        out = sum(n for (s_, _), n in sent.items() if s_ in ranks)
+        assert out == count * 8 * (size - len(ranks)), (layout, m, out)

@@ -117,6 +117,13 @@ def _move_every_case(rank, sizes):
             y = data(rank, (n,), "int64", salt=root)
             raycoll.reduce(y, dst=root)  # the others' buffers stay as they were
             out.append((y, group.last_route.algorithm))
+        rs = np.empty(n, dtype=np.int64)
+        raycoll.reduce_scatter_tensor(rs, data(rank, (n * w,), "int64", salt=7))
+        out.append((rs, group.last_route.algorithm))
+        rs_list = np.empty(n, dtype=np.float64)
+        raycoll.reduce_scatter(rs_list, [data(rank, (n,), "float64", salt=j) for j in range(w)],
+                               op=raycoll.ReduceOp.AVG)
+        out.append((rs_list, group.last_route.algorithm))
         mine = data(rank, (n,), "int64")
         lst = [np.empty(n, dtype=np.int64) for _ in range(w)]
         raycoll.all_gather(lst, mine)
@@ -129,10 +136,10 @@ def _move_every_case(rank, sizes):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
-    """broadcast and reduce from every root and all_gather, small and streamed through a
-    small segment: right against numpy (a reduce leaves the other ranks' buffers as they
-    were), on the node-aware plans."""
+def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, layout):
+    """broadcast and reduce from every root, reduce_scatter (one tensor, and a list with
+    AVG) and all_gather, small and streamed through a small segment: right against numpy (a
+    reduce leaves the other ranks' buffers as they were), on the node-aware plans."""
     sizes = (3, 300_001)  # 300_001 float32: past NODE_BROADCAST_BYTES (1 MiB)
     actors = _actors(layout)
     try:
@@ -152,12 +159,19 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
                 mine = data(rank, (n,), "int64", salt=root)
                 wants.append((sum(data(r, (n,), "int64", salt=root) for r in range(w))
                               if rank == root else mine, True))
+            rs = sum(data(r, (n * w,), "int64", salt=7) for r in range(w))
+            wants.append((rs[rank * n:(rank + 1) * n], True))
+            wants.append((sum(data(r, (n,), "float64", salt=rank) for r in range(w)) / w, True))
             gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
             wants += [(gathered, True), (gathered, True)]
         assert len(got) == len(wants)
         for i, ((x, algo), (want, node)) in enumerate(zip(got, wants)):
             assert (algo == "node_hierarchical") == node, (layout, rank, i, algo)
-            np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
+            if want.dtype.kind == "f" and want.dtype.itemsize == 8:  # (AVG's sums' order)
+                np.testing.assert_allclose(x, want, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{layout} {rank} {i}")
+            else:
+                np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
 
 
 def _mismatched(rank, odd):

@@ -42,7 +42,8 @@ from raycoll.algorithms.schedule import blocks
 from raycoll.algorithms.segment_plans import ALIGN, COPY, REDUCE, SYNC, WRITE, FIRST
 from raycoll.transport.counters import Counters
 
-__all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "SMALL_BYTES"]
+__all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
+           "SMALL_BYTES"]
 
 #: all_reduce up to this many bytes takes the small form (one segment step, one exchange).
 SMALL_BYTES = 64 << 10
@@ -286,6 +287,62 @@ def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
         remote = [(*_piece(pieces, r, nbytes), nbytes) for m in others for r in lay.nodes[m]]
         _seg_broadcast(ops, [x for x in remote if x[2]], 0, li, half, False)
     return _plan(ops, 0, peers, counts)
+
+
+@lru_cache(maxsize=256)
+def reduce_scatter(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, half: int,
+                   finish: bool) -> NativePlan:
+    """Rank ``rank``'s node-aware reduce_scatter: buffer 0 holds one piece of ``count``
+    elements per group rank (piece ``j`` for rank ``j``), buffer 2 this rank's result. In
+    chunks of the pieces: every local rank writes its chunk of every piece into its half; the
+    node's partial of a piece for a rank on another node is reduced by one local rank (the
+    one whose local index is the destination's, modulo the node's ranks) and sent straight
+    to it (each byte leaves its node once); each rank reduces its own piece's node partial
+    and the other nodes' in node order."""
+    lay = layout(node_ids)
+    home, li = lay.node_of[rank], lay.local[rank]
+    mates = lay.nodes[home]
+    k, size, nnodes = len(mates), len(node_ids), len(lay.nodes)
+    chunk = max(1, (_down(half // size, ALIGN) or half // size) // itemsize)
+    cb = chunk * itemsize  # a scratch slot
+    mine = [j for j in range(size) if lay.node_of[j] != home
+            and mates[lay.local[j] % k] == rank]  # the remote ranks this rank reduces for
+    senders = [(m, lay.nodes[m][li % len(lay.nodes[m])]) for m in range(nnodes) if m != home]
+    ops: List[Op] = []
+    counts = Counters()
+    for c, lo in enumerate(range(0, count, chunk)):
+        hi = min(lo + chunk, count)
+        n = (hi - lo) * itemsize
+
+        def partial(j: int, at: int) -> Op:
+            """Piece ``j``'s node partial of this chunk into the scratch at ``at``."""
+            if k > 1:
+                return (REDUCE, SCRATCH, at, n, 0, j * cb, 0, 0)
+            return (LOCAL, SCRATCH, at, n, FLAT, (j * count + lo) * itemsize, 0, 0)
+
+        if k > 1:
+            ops += [_write(FLAT, (j * count + lo) * itemsize, n, j * cb) for j in range(size)]
+            ops.append(_sync(first=c == 0))
+        out_at = nnodes * cb
+        for i, j in enumerate(mine):
+            ops.append(partial(j, out_at + i * cb))
+        ops.append(partial(rank, home * cb))
+        for i, j in enumerate(mine):
+            ops.append((SEND, SCRATCH, out_at + i * cb, n, j, 0, 0, 0))
+            counts.sent(j, n, False)
+        for m, src in senders:
+            ops.append((RECV, SCRATCH, m * cb, n, src, 0, 0, 0))
+            counts.received(src, n, False)
+        ops.append((XFER, 0, 0, 0, 0, 0, 0, c))
+        ops.append((MREDUCE, 2, lo * itemsize, n, SCRATCH, 0, nnodes, cb))
+        if finish:
+            ops.append((FINAL, 2, lo * itemsize, n, 0, 0, 0, 0))
+    arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    arr.setflags(write=False)
+    rounds = int((arr[:, 0] == XFER).sum())
+    counts.rounds = rounds
+    return NativePlan(arr, (nnodes + len(mine)) * cb, tuple(mine),
+                      tuple(src for _, src in senders), rounds, counts)
 
 
 def _publish_part(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,

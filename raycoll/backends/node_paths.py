@@ -1,7 +1,7 @@
 """The cpu backend's hierarchical paths for a group on several nodes: the node segment
 inside each node and sockets between nodes, in one plan run by one call of the native
 executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`):
-all_reduce, reduce, broadcast and all_gather.
+all_reduce, reduce, reduce_scatter, broadcast and all_gather.
 
 **The rule** (the same on every rank, from what they all agree on): a collective takes its
 hierarchical plan where the group may have node segments (``node_segment_possible``: the
@@ -113,6 +113,26 @@ class NodePaths:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
                                          self.ctx.rank, node.half, finish)
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
+        return True
+
+    def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
+                             call: Call) -> bool:
+        """reduce_scatter of ``whole`` (one piece a rank) into ``out`` as one node-aware
+        plan."""
+        size = self.ctx.size
+        if size < 3 or whole.size != out.size * size or whole.dtype != out.dtype \
+                or not _reduces(out, op):
+            return False
+        plane = self._node_plane(call, "reduce_scatter", whole.nbytes, whole.itemsize)
+        if plane is None:
+            return False
+        node: NodeSegment = self._node
+        finish = op.name in ("AVG", "PREMUL_SUM")
+        src = flat_in(whole)
+        with flat_out(out) as flat:
+            plan = node_plans.reduce_scatter(flat.size, flat.itemsize, self.ctx.node_ids,
+                                             self.ctx.rank, node.half, finish)
+            self._node_run(plane, call, plan, src, (flat,), plane.native.codes(flat, op), op)
         return True
 
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
