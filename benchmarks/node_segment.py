@@ -16,7 +16,8 @@ to back** (call after call) and **after a barrier** (each call right after a bar
 same library, as in a loop that computes between collectives).
 
 Usage: ``python benchmarks/node_segment.py [--layout 2+2] [--sizes 4,1M,64M]
-[--op all_reduce] [--iters 200]``. The Ray nodes are ``ray.cluster_utils.Cluster`` nodes on
+[--op all_reduce|broadcast|all_gather|reduce_scatter] [--iters 200]`` (reduce_scatter:
+the size is each rank's output piece, list inputs). The Ray nodes are ``ray.cluster_utils.Cluster`` nodes on
 this machine (loopback between them).
 """
 
@@ -71,6 +72,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                         dist.all_reduce(x)
                     elif op == "broadcast":
                         dist.broadcast(x, src=0)
+                    elif op == "reduce_scatter":
+                        dist.reduce_scatter(x, outs[lib])
                     else:
                         dist.all_gather(outs[lib], x)
                     return
@@ -79,6 +82,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                     raycoll.all_reduce(x, group=group)
                 elif op == "broadcast":
                     raycoll.broadcast(x, src=0, group=group)
+                elif op == "reduce_scatter":  # each rank's piece: the size; its inputs: outs
+                    raycoll.reduce_scatter(x, outs[lib], group=group)
                 else:
                     raycoll.all_gather(outs[lib], x, group=group)
 
@@ -107,10 +112,12 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
             # a check: each library reduces the ranks' values right
             for lib in LIBS:
                 bufs[lib][:] = rank + 1
+                for piece in outs[lib]:
+                    piece[:] = rank + 1
                 call(lib)
                 got = outs[lib][world - 1] if op == "all_gather" else bufs[lib]
                 want = {"all_reduce": world * (world + 1) / 2, "broadcast": 1.0,
-                        "all_gather": float(world)}[op]
+                        "all_gather": float(world), "reduce_scatter": world * (world + 1) / 2}[op]
                 if float(got[-1]) != want:
                     raise AssertionError(f"{lib} {op} of {nbytes} B: {float(got[-1])} != {want}")
         from raycoll.groups import get_group
@@ -126,7 +133,7 @@ def main() -> None:
     parser.add_argument("--layout", default="2+2", help="ranks per node, e.g. 2+2 or 3+1")
     parser.add_argument("--sizes", default="4,1M,64M")
     parser.add_argument("--op", default="all_reduce",
-                        choices=("all_reduce", "broadcast", "all_gather"))
+                        choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"))
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
     from ray.cluster_utils import Cluster

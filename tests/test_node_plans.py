@@ -14,7 +14,7 @@ import pytest
 
 from raycoll.algorithms import node_plans as npl
 from raycoll.algorithms.native_plans import (FINAL, LOCAL, MREDUCE, RECV, SEND, XFER)
-from raycoll.algorithms.segment_plans import COPY, CREAD, CREDUCE, REDUCE, SYNC, WRITE
+from raycoll.algorithms.segment_plans import COPY, REDUCE, SYNC, WRITE
 
 LAYOUTS = {"2+2": "aabb", "3+1": "aaab", "1+3": "abbb", "4+4": "aaaabbbb", "3+2": "aaabb",
            "2+1+1": "aabc", "interleaved 2+2": "abab", "2+2+2": "abcabc"}
@@ -57,12 +57,6 @@ def _run(plans: Sequence[np.ndarray], bufs: List[List[np.ndarray]], nodes: str,
             elif kind == MREDUCE:
                 total = sum(i64(bufs[r][b][b_off + j * extra:b_off + j * extra + n])
                             for j in range(flags))
-                bufs[r][a][a_off:a_off + n] = np.asarray(total, np.int64).view(np.uint8)
-            elif kind == CREAD:  # (the peer's buffer as it is now: plans read only
-                # ranges their owners no longer write)
-                bufs[r][a][a_off:a_off + n] = bufs[me[b]][flags][b_off:b_off + n]
-            elif kind == CREDUCE:
-                total = sum(i64(bufs[j][flags & 0xff][b_off:b_off + n]) for j in me)
                 bufs[r][a][a_off:a_off + n] = np.asarray(total, np.int64).view(np.uint8)
             elif kind == FINAL:
                 pass
@@ -145,13 +139,12 @@ def _with_scratch(plan: npl.NativePlan, *bufs: np.ndarray) -> List[np.ndarray]:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("count", [1, 5, 700, 9_001])
-@pytest.mark.parametrize("cma", [False, True], ids=["halves", "cross-memory"])
-def test_all_reduce_plans_give_the_sum_on_every_rank(layout, count, cma):
+def test_all_reduce_plans_give_the_sum_on_every_rank(layout, count):
     nodes = LAYOUTS[layout]
     size, half = len(nodes), 4096
     ids = tuple(nodes)
-    plans = [npl.all_reduce(count, 8, ids, r, half, False, small_bytes=1024, cma=cma,
-                            cma_bytes=4096, piece_bytes=1000) for r in range(size)]
+    plans = [npl.all_reduce(count, 8, ids, r, half, False, small_bytes=1024)
+             for r in range(size)]
     inputs = [np.arange(count, dtype=np.int64) * (r + 1) + r for r in range(size)]
     bufs = [_with_scratch(p, x.copy().view(np.uint8)) for p, x in zip(plans, inputs)]
     sent = _run([p.ops for p in plans], bufs, nodes, half)
@@ -201,3 +194,23 @@ def test_all_gather_plans_gather_every_piece(layout, nbytes):
     for m, ranks in enumerate(lay.nodes):  # each node's pieces enter every other node once
         out = sum(n for (s, _), n in sent.items() if s in ranks)
         assert out == nbytes * len(ranks) * (len(lay.nodes) - 1), (layout, m, out)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("count", [1, 7, 3_001])
+def test_reduce_scatter_plans_reduce_each_piece_into_its_rank(layout, count):
+    nodes = LAYOUTS[layout]
+    size, half = len(nodes), 4096
+    plans = [npl.reduce_scatter(count, 8, tuple(nodes), r, half, False) for r in range(size)]
+    inputs = [np.arange(count * size, dtype=np.int64) * (r + 1) + r for r in range(size)]
+    bufs = [[inputs[r].copy().view(np.uint8), np.zeros(p.scratch, np.uint8),
+             np.zeros(count * 8, np.uint8)] for r, p in enumerate(plans)]
+    sent = _run([p.ops for p in plans], bufs, nodes, half)
+    total = sum(inputs)
+    for r in range(size):
+        np.testing.assert_array_equal(bufs[r][2].view(np.int64),
+                                      total[r * count:(r + 1) * count], err_msg=f"rank {r}")
+    lay = npl.layout(tuple(nodes))
+    for m, ranks in enumerate(lay.nodes):  # each remote rank's piece leaves the node once
+        out = sum(n for (s_, _), n in sent.items() if s_ in ranks)
+        assert out == count * 8 * (size - len(ranks)), (layout, m, out)

@@ -117,6 +117,13 @@ def _move_every_case(rank, sizes):
             y = data(rank, (n,), "int64", salt=root)
             raycoll.reduce(y, dst=root)  # the others' buffers stay as they were
             out.append((y, group.last_route.algorithm))
+        rs = np.empty(n, dtype=np.int64)
+        raycoll.reduce_scatter_tensor(rs, data(rank, (n * w,), "int64", salt=7))
+        out.append((rs, group.last_route.algorithm))
+        rs_list = np.empty(n, dtype=np.float64)
+        raycoll.reduce_scatter(rs_list, [data(rank, (n,), "float64", salt=j) for j in range(w)],
+                               op=raycoll.ReduceOp.AVG)
+        out.append((rs_list, group.last_route.algorithm))
         mine = data(rank, (n,), "int64")
         lst = [np.empty(n, dtype=np.int64) for _ in range(w)]
         raycoll.all_gather(lst, mine)
@@ -129,11 +136,11 @@ def _move_every_case(rank, sizes):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
-    """broadcast and reduce from every root and all_gather, small and streamed through a
-    small segment: right against numpy (a reduce leaves the other ranks' buffers as they
-    were), on the node-aware plans."""
-    sizes = (3, 30_001)
+def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, layout):
+    """broadcast and reduce from every root, reduce_scatter (one tensor, and a list with
+    AVG) and all_gather, small and streamed through a small segment: right against numpy (a
+    reduce leaves the other ranks' buffers as they were), on the node-aware plans."""
+    sizes = (3, 300_001)  # 300_001 float32: past NODE_BROADCAST_BYTES (1 MiB)
     actors = _actors(layout)
     try:
         results = run_on(actors, _move_every_case, (sizes,), timeout=240,
@@ -147,16 +154,58 @@ def test_broadcast_reduce_and_all_gather_node_aware(two_nodes, layout):
         wants = []
         for n in sizes:
             for root in range(w):
-                wants.append(data(root, (n,), "float32", salt=root))
+                # (a broadcast under NODE_BROADCAST_BYTES keeps the socket schedule)
+                wants.append((data(root, (n,), "float32", salt=root), n * 4 >= 1 << 20))
                 mine = data(rank, (n,), "int64", salt=root)
-                wants.append(sum(data(r, (n,), "int64", salt=root) for r in range(w))
-                             if rank == root else mine)
+                wants.append((sum(data(r, (n,), "int64", salt=root) for r in range(w))
+                              if rank == root else mine, True))
+            rs = sum(data(r, (n * w,), "int64", salt=7) for r in range(w))
+            wants.append((rs[rank * n:(rank + 1) * n], True))
+            wants.append((sum(data(r, (n,), "float64", salt=rank) for r in range(w)) / w, True))
             gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
-            wants += [gathered, gathered]
+            wants += [(gathered, True), (gathered, True)]
         assert len(got) == len(wants)
-        for i, ((x, algo), want) in enumerate(zip(got, wants)):
-            assert algo == "node_hierarchical", (layout, rank, i, algo)
-            np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
+        for i, ((x, algo), (want, node)) in enumerate(zip(got, wants)):
+            assert (algo == "node_hierarchical") == node, (layout, rank, i, algo)
+            if want.dtype.kind == "f" and want.dtype.itemsize == 8:  # (AVG's sums' order)
+                np.testing.assert_allclose(x, want, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{layout} {rank} {i}")
+            else:
+                np.testing.assert_array_equal(x, want, err_msg=f"{layout} rank {rank} case {i}")
+
+
+def _mismatched(rank, odd):
+    """A first all_reduce to set the segments up, then one where rank ``odd`` passes another
+    shape (past the small form: streamed), then one all agree on."""
+    out = []
+    raycoll.all_reduce(np.ones(8))
+    x = np.ones(100_001 if rank == odd else 100_000)
+    try:
+        raycoll.all_reduce(x)
+        out.append(None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.append((type(exc).__name__, str(exc)))
+    y = np.full(5, float(rank))
+    raycoll.all_reduce(y)
+    out.append(float(y[0]))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_shape_mismatch_fails_every_rank_and_the_group_goes_on(two_nodes):
+    """2 + 2 ranks: rank 1 passes another shape: every rank fails the call with
+    ``CollectiveMismatchError`` (rank 1's node-mate naming the shapes, from the segment's
+    fingerprints), and the next all_reduce is right on every rank."""
+    actors = _actors("2+2")
+    try:
+        got = run_on(actors, _mismatched, (1,), group_name="node-seg-mismatch", timeout=120)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    for rank, (failure, after) in enumerate(got):
+        assert failure is not None and failure[0] == "CollectiveMismatchError", (rank, failure)
+        assert after == 6.0, (rank, after)
+    assert "shape" in got[0][0][1], got[0][0]
 
 
 def _socket_schedule(rank):

@@ -23,12 +23,6 @@ all_reduce, in two forms (:func:`all_reduce`):
   exchanges that part with its rail's peers and reduces them in node order (the inter-node
   step, on its part only), and writes the result into its next half, where the next step's
   readers copy it (the all-gather in the node, riding on the next chunk's step).
-- **cross-memory** (from ``CMA_BYTES``, where every rank may read its node-mates' memory):
-  the first step publishes every local rank's buffer; rail rank ``i`` reduces part ``i`` out
-  of them into its own buffer (one copy a byte), exchanges it with its rail in pieces and
-  reduces them in node order; after a second step every local rank reads the other rails'
-  parts out of their buffers, and a third makes sure no one still reads a buffer its owner
-  has got back.
 
 Buffers: 0 the rank's flat buffer (in place), 1 a scratch (:attr:`NativePlan.scratch`
 bytes: one slot per node for the inter-node reduction). Plans are pure functions of what
@@ -45,20 +39,14 @@ import numpy as np
 from raycoll.algorithms.native_plans import (FINAL, FLAT, LOCAL, MREDUCE, RECV, SCRATCH, SEND,
                                              XFER, NativePlan)
 from raycoll.algorithms.schedule import blocks
-from raycoll.algorithms.segment_plans import (ALIGN, COPY, CREAD, CREDUCE, FIRST, PUBLISH,
-                                              REDUCE, SYNC, WRITE)
+from raycoll.algorithms.segment_plans import ALIGN, COPY, REDUCE, SYNC, WRITE, FIRST
 from raycoll.transport.counters import Counters
 
-__all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "SMALL_BYTES"]
+__all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
+           "SMALL_BYTES"]
 
 #: all_reduce up to this many bytes takes the small form (one segment step, one exchange).
 SMALL_BYTES = 64 << 10
-#: ... from this many on, where every rank may read its node-mates' memory, the
-#: cross-memory form (one copy a byte in the node, three segment steps whatever the size)
-CMA_BYTES = 1 << 20
-#: The cross-memory form exchanges a rail's part between nodes in pieces of this many bytes
-#: (the scratch holds one a node).
-PIECE_BYTES = 4 << 20
 
 Op = Tuple[int, int, int, int, int, int, int, int]
 
@@ -110,15 +98,11 @@ def _down(n: int, to: int) -> int:
 
 @lru_cache(maxsize=256)
 def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, half: int,
-               finish: bool, small_bytes: int = SMALL_BYTES, cma: bool = False,
-               cma_bytes: int = CMA_BYTES, piece_bytes: int = PIECE_BYTES) -> NativePlan:
+               finish: bool, small_bytes: int = SMALL_BYTES) -> NativePlan:
     """Rank ``rank``'s hierarchical all_reduce of ``count`` elements of ``itemsize`` bytes
     (buffer 0, in place) on the group whose ranks are on ``node_ids``; ``half``: the smallest
-    segment half of the group's nodes; ``finish``: the op has a final step (AVG, PREMUL_SUM);
-    ``cma``: every rank may read its node-mates' buffers (then from ``CMA_BYTES`` on, the
-    cross-memory form). See the module docstring."""
-    if cma and count * itemsize >= cma_bytes:
-        return _cma_all_reduce(count, itemsize, node_ids, rank, finish, piece_bytes)
+    segment half of the group's nodes; ``finish``: the op has a final step (AVG, PREMUL_SUM).
+    See the module docstring."""
     lay = layout(node_ids)
     home = lay.node_of[rank]
     li = lay.local[rank]
@@ -306,44 +290,59 @@ def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
 
 
 @lru_cache(maxsize=256)
-def _cma_all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int,
-                    finish: bool, piece_bytes: int) -> NativePlan:
-    """all_reduce reading the node-mates' buffers across processes (published by the first
-    step): rail rank ``i`` reduces part ``i`` of every local rank's buffer into its own,
-    exchanges it with its rail in pieces of ``piece_bytes`` (reduced in node order), then,
-    after a step, every local rank reads the other rails' parts out of their buffers; a last
-    step makes sure no one still reads a buffer its owner has got back."""
+def reduce_scatter(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, half: int,
+                   finish: bool) -> NativePlan:
+    """Rank ``rank``'s node-aware reduce_scatter: buffer 0 holds one piece of ``count``
+    elements per group rank (piece ``j`` for rank ``j``), buffer 2 this rank's result. In
+    chunks of the pieces: every local rank writes its chunk of every piece into its half; the
+    node's partial of a piece for a rank on another node is reduced by one local rank (the
+    one whose local index is the destination's, modulo the node's ranks) and sent straight
+    to it (each byte leaves its node once); each rank reduces its own piece's node partial
+    and the other nodes' in node order."""
     lay = layout(node_ids)
     home, li = lay.node_of[rank], lay.local[rank]
-    k = len(lay.nodes[home])
-    nnodes, rails = len(lay.nodes), lay.rails
-    rail = li < rails
-    peers = [(m, lay.nodes[m][li]) for m in range(nnodes) if m != home] if rail else []
-    parts = blocks(0, count, rails)
-    a, b = parts[li] if rail else (0, 0)
-    piece = max(1, piece_bytes // itemsize)
-    stride = min(piece, max(b - a, 1)) * itemsize
+    mates = lay.nodes[home]
+    k, size, nnodes = len(mates), len(node_ids), len(lay.nodes)
+    chunk = max(1, (_down(half // size, ALIGN) or half // size) // itemsize)
+    cb = chunk * itemsize  # a scratch slot
+    mine = [j for j in range(size) if lay.node_of[j] != home
+            and mates[lay.local[j] % k] == rank]  # the remote ranks this rank reduces for
+    senders = [(m, lay.nodes[m][li % len(lay.nodes[m])]) for m in range(nnodes) if m != home]
     ops: List[Op] = []
     counts = Counters()
-    if k > 1:
-        ops.append((SYNC, 0, 0, 0, 0, 0, FIRST | PUBLISH, 0))
-        if b > a:  # this rail's part, reduced out of every local rank's buffer, in place
-            ops.append((CREDUCE, FLAT, a * itemsize, (b - a) * itemsize, 0, a * itemsize,
-                        FLAT, 0))
-    for c, lo in enumerate(range(a, b, piece)):
-        hi = min(lo + piece, b)
+    for c, lo in enumerate(range(0, count, chunk)):
+        hi = min(lo + chunk, count)
         n = (hi - lo) * itemsize
-        ops.append((LOCAL, SCRATCH, home * stride, n, FLAT, lo * itemsize, 0, 0))
-        _exchange(ops, counts, peers, home, n, stride, c)
-        ops.append((MREDUCE, FLAT, lo * itemsize, n, SCRATCH, 0, nnodes, stride))
+
+        def partial(j: int, at: int) -> Op:
+            """Piece ``j``'s node partial of this chunk into the scratch at ``at``."""
+            if k > 1:
+                return (REDUCE, SCRATCH, at, n, 0, j * cb, 0, 0)
+            return (LOCAL, SCRATCH, at, n, FLAT, (j * count + lo) * itemsize, 0, 0)
+
+        if k > 1:
+            ops += [_write(FLAT, (j * count + lo) * itemsize, n, j * cb) for j in range(size)]
+            ops.append(_sync(first=c == 0))
+        out_at = nnodes * cb
+        for i, j in enumerate(mine):
+            ops.append(partial(j, out_at + i * cb))
+        ops.append(partial(rank, home * cb))
+        for i, j in enumerate(mine):
+            ops.append((SEND, SCRATCH, out_at + i * cb, n, j, 0, 0, 0))
+            counts.sent(j, n, False)
+        for m, src in senders:
+            ops.append((RECV, SCRATCH, m * cb, n, src, 0, 0, 0))
+            counts.received(src, n, False)
+        ops.append((XFER, 0, 0, 0, 0, 0, 0, c))
+        ops.append((MREDUCE, 2, lo * itemsize, n, SCRATCH, 0, nnodes, cb))
         if finish:
-            ops.append((FINAL, FLAT, lo * itemsize, n, 0, 0, 0, 0))
-    if k > 1:
-        ops.append(_sync())
-        ops += [(CREAD, FLAT, lo * itemsize, (hi - lo) * itemsize, j, lo * itemsize, FLAT, 0)
-                for j, (lo, hi) in enumerate(parts) if j != li and hi > lo]
-        ops.append(_sync())
-    return _plan(ops, nnodes * stride if b > a else 0, peers, counts)
+            ops.append((FINAL, 2, lo * itemsize, n, 0, 0, 0, 0))
+    arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    arr.setflags(write=False)
+    rounds = int((arr[:, 0] == XFER).sum())
+    counts.rounds = rounds
+    return NativePlan(arr, (nnodes + len(mine)) * cb, tuple(mine),
+                      tuple(src for _, src in senders), rounds, counts)
 
 
 def _publish_part(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,

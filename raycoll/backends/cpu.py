@@ -137,7 +137,10 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None:
         out = host_view(output)
         pieces = [flat_in(host_view(t)) for t in inputs]
-        if self._seg_reduce_scatter(np.concatenate(pieces), out, op, call):
+        whole = np.concatenate(pieces)
+        if self._seg_reduce_scatter(whole, out, op, call) \
+                or (all(p.size == out.size for p in pieces)
+                    and self._node_reduce_scatter(whole, out, op, call)):
             return
         with flat_out(out) as flat:
             self._reduce_scatter(pieces, flat, op, call)
@@ -145,7 +148,8 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None:
         src = flat_in(host_view(tensor))
         out = host_view(output)
-        if self._seg_reduce_scatter(src, out, op, call):
+        if self._seg_reduce_scatter(src, out, op, call) \
+                or self._node_reduce_scatter(src, out, op, call):
             return
         n = out.size
         pieces = [src[j * n:(j + 1) * n] for j in range(self.ctx.size)]

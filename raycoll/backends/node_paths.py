@@ -1,20 +1,22 @@
 """The cpu backend's hierarchical paths for a group on several nodes: the node segment
 inside each node and sockets between nodes, in one plan run by one call of the native
 executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`):
-all_reduce, reduce, broadcast and all_gather.
+all_reduce, reduce, reduce_scatter, broadcast and all_gather.
 
 **The rule** (the same on every rank, from what they all agree on): a collective takes its
 hierarchical plan where the group may have node segments (``node_segment_possible``: the
 native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
-ranks), the buffer is not empty, the core reduces the op and dtype, and no algorithm is
-forced for the collective (a forced one runs as the socket schedule it names). Measured
-(benchmarks/BENCHMARKS.md, "Node segments on several nodes": 2 + 2 ranks, the plan against
-the socket schedule the cost model picks, same actors, same run) faster at 4 B, 1 MiB and
-64 MiB. It is a measured rule rather than the cost model's choice because the model's
-defaults price a message as the Python transports' (tens of microseconds) and every step a
-wake-up on this machine, which puts the one-step direct exchange below the plan's two steps
-at 4 B, against the measurement; once the model is recalibrated for the native executor
-(issue 43, item 4) the plan becomes a catalog entry it prices.
+ranks), the buffer is not empty (a broadcast: at least ``NODE_BROADCAST_BYTES``), the core
+reduces the op and dtype, and no algorithm is forced for the collective (a forced one runs
+as the socket schedule it names). Measured (benchmarks/BENCHMARKS.md, "Node segments on
+several nodes": the plan against the socket schedule the cost model picks, same actors,
+same run, 2 + 2 and 3 + 1 ranks): 1.04-1.12x at 4 B, even at 1 MiB (0.97-1.25x), 1.5-2.2x
+at 64 MiB for all_reduce; all_gather 1.0-7.4x. It is a measured rule rather than the cost
+model's choice because the model's defaults price a message as the Python transports'
+(tens of microseconds) and every step a wake-up on this machine, which puts the one-step
+direct exchange below the plan's two steps at 4 B, against the measurement; once the model
+is recalibrated for the native executor (issue 43, item 4) the plan becomes a catalog entry
+it prices.
 
 The node segments are set up inside the first collective that takes the path. Each method
 returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
@@ -36,10 +38,15 @@ from raycoll.reduce_op import ReduceOp
 from raycoll.transport.node_segment import (NodeSegment, node_segment_possible,
                                             set_up_node_segment)
 
-__all__ = ["NodePaths", "NODE_ALGORITHM"]
+__all__ = ["NodePaths", "NODE_ALGORITHM", "NODE_BROADCAST_BYTES"]
 
 #: The algorithm's name in ``last_route`` and ``group_status``.
 NODE_ALGORITHM = "node_hierarchical"
+#: A broadcast smaller than this keeps the socket schedule: the root's sends do not wait for
+#: their readers there, while every segment step waits for every rank of its node (2 + 2
+#: ranks, back to back, on a loaded machine: node-aware 0.18x the sockets at 4 B, 0.21x at
+#: 64 KiB, 0.67x at 256 KiB; 1.12x at 1 MiB, 1.6-4.1x at 64 MiB: BENCHMARKS.md).
+NODE_BROADCAST_BYTES = 1 << 20
 
 
 class NodePaths:
@@ -85,8 +92,7 @@ class NodePaths:
             node: NodeSegment = self._node
             finish = op.name in ("AVG", "PREMUL_SUM")
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish,
-                                         cma=node.cma)
+                                         self.ctx.rank, node.half, finish)
             self._node_run(plane, call, plan, flat, (), codes, op)
         return True
 
@@ -102,13 +108,34 @@ class NodePaths:
         finish = op.name in ("AVG", "PREMUL_SUM")
         with flat_out(arr) if self.ctx.rank == dst else _copy(arr) as flat:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish,
-                                         cma=node.cma)
+                                         self.ctx.rank, node.half, finish)
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
+        return True
+
+    def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
+                             call: Call) -> bool:
+        """reduce_scatter of ``whole`` (one piece a rank) into ``out`` as one node-aware
+        plan."""
+        size = self.ctx.size
+        if size < 3 or whole.size != out.size * size or whole.dtype != out.dtype \
+                or not _reduces(out, op):
+            return False
+        plane = self._node_plane(call, "reduce_scatter", whole.nbytes, whole.itemsize)
+        if plane is None:
+            return False
+        node: NodeSegment = self._node
+        finish = op.name in ("AVG", "PREMUL_SUM")
+        src = flat_in(whole)
+        with flat_out(out) as flat:
+            plan = node_plans.reduce_scatter(flat.size, flat.itemsize, self.ctx.node_ids,
+                                             self.ctx.rank, node.half, finish)
+            self._node_run(plane, call, plan, src, (flat,), plane.native.codes(flat, op), op)
         return True
 
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
         """broadcast of ``arr`` from ``src`` as one node-aware plan."""
+        if arr.nbytes < NODE_BROADCAST_BYTES:
+            return False
         plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize)
         if plane is None:
             return False

@@ -126,6 +126,12 @@ typedef struct {
     rc_wait_policy wait;
     rc_check_fn check;
     void *check_arg;
+    /* The group rank of each of the segment's local ranks (rank_map_len of them), or NULL:
+     * a segment wait names its pending ranks to the check through it (a plan that also runs
+     * sockets names their peers by group rank; without a map, local ranks are named). A
+     * process-local table, not shared memory. */
+    const int32_t *rank_map;
+    int rank_map_len;
     /* set by the run (outputs) */
     int io_errno;     /* RC_IOERR: the errno */
     int check_rc;     /* RC_CHECK: what the check returned (RC_CHECK_SOFT, RC_CHECK_HARD) */

@@ -255,7 +255,7 @@ int parse_call(PyObject *wait, rc_call *call) {
 static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *bufs_obj,
                           int dtype, int op, double factor, int divisor,
                           unsigned long long call_seq, Py_buffer *fp, PyObject *wait,
-                          PyObject *check, PyObject *net_obj) {
+                          PyObject *check, PyObject *net_obj, Py_buffer *rank_map) {
     PyObject *result = NULL;
     PyObject *seq = NULL;
     Py_buffer plan, out_fds, in_fds, conns;
@@ -328,6 +328,16 @@ static PyObject *run_plan(SegmentObject *segobj, PyObject *plan_obj, PyObject *b
     call.fp = (const uint8_t *)fp->buf;
     call.fp_len = (uint32_t)fp->len;
     call.fp_hash = fp_hash;
+    if (rank_map != NULL && rank_map->len > 0) {
+        if (rank_map->len % (Py_ssize_t)sizeof(int32_t) ||
+            rank_map->len / (Py_ssize_t)sizeof(int32_t) > RC_MAX_RANKS) {
+            PyErr_SetString(PyExc_ValueError, "rank_map: int32 per local rank, at most "
+                            "MAX_RANKS of them");
+            goto done;
+        }
+        call.rank_map = (const int32_t *)rank_map->buf;
+        call.rank_map_len = (int)(rank_map->len / (Py_ssize_t)sizeof(int32_t));
+    }
     check_arg carg = {check, NULL};
     if (check != Py_None) {
         call.check = call_check;
@@ -366,7 +376,7 @@ static PyObject *seg_run(SegmentObject *self, PyObject *args) {
                           &divisor, &call_seq, &fp, &wait, &check))
         return NULL;
     PyObject *result = run_plan(self, plan_obj, bufs_obj, dtype, op, factor, divisor, call_seq,
-                                &fp, wait, check, Py_None);
+                                &fp, wait, check, Py_None, NULL);
     PyBuffer_Release(&fp);
     return result;
 }
@@ -376,10 +386,12 @@ static PyObject *py_execute(PyObject *module, PyObject *args) {
     int dtype, op, divisor;
     double factor;
     unsigned long long call_seq;
-    Py_buffer fp;
+    Py_buffer fp, rank_map;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OOOiidiKy*OOO", &seg_obj, &plan_obj, &bufs_obj, &dtype, &op,
-                          &factor, &divisor, &call_seq, &fp, &wait, &check, &net_obj))
+    memset(&rank_map, 0, sizeof rank_map);
+    if (!PyArg_ParseTuple(args, "OOOiidiKy*OOO|y*", &seg_obj, &plan_obj, &bufs_obj, &dtype,
+                          &op, &factor, &divisor, &call_seq, &fp, &wait, &check, &net_obj,
+                          &rank_map))
         return NULL;
     PyObject *result = NULL;
     if (seg_obj != Py_None && !PyObject_TypeCheck(seg_obj, &SegmentType)) {
@@ -387,9 +399,10 @@ static PyObject *py_execute(PyObject *module, PyObject *args) {
     } else {
         result = run_plan(seg_obj == Py_None ? NULL : (SegmentObject *)seg_obj, plan_obj,
                           bufs_obj, dtype, op, factor, divisor, call_seq, &fp, wait, check,
-                          net_obj);
+                          net_obj, &rank_map);
     }
     PyBuffer_Release(&fp);
+    if (rank_map.obj != NULL) PyBuffer_Release(&rank_map);
     return result;
 }
 
@@ -622,9 +635,11 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"execute", py_execute, METH_VARARGS,
-     "execute(seg, plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check, net) "
+     "execute(seg, plan, bufs, dtype, op, factor, divisor, call_seq, fp, wait, check, net"
+     "[, rank_map]) "
      "-> (status, peer, errno, broke, exc): run a plan on a segment (or None) and sockets "
-     "(net: (out_fds, in_fds, conns, fp_hash), or None); GIL released. broke: the run failed "
+     "(net: (out_fds, in_fds, conns, fp_hash), or None; rank_map: int32 bytes, each local "
+     "rank's group rank, how the check names pending ranks); GIL released. broke: the run failed "
      "in a way that breaks the group and raised the abort flag / shut the call's sockets "
      "itself; exc: the check's exception (status CHECK), else None"},
     {"set_soft_errors", py_set_soft_errors, METH_O,

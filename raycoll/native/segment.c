@@ -313,7 +313,15 @@ static int wait_step(rc_seg *s, uint32_t step, rc_call *call, int *peer) {
             }
             live_at = now + tick;
         }
-        rc = rc_waiter_check(&w, call, pending, npending);
+        if (call->rank_map != NULL) { /* the check names group ranks (core.h) */
+            int named[RC_MAX_RANKS];
+            for (int i = 0; i < npending; i++)
+                named[i] = pending[i] < call->rank_map_len ? (int)call->rank_map[pending[i]]
+                                                           : pending[i];
+            rc = rc_waiter_check(&w, call, named, npending);
+        } else {
+            rc = rc_waiter_check(&w, call, pending, npending);
+        }
         if (rc) {
             *peer = -1;
             return rc;

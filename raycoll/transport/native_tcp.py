@@ -314,13 +314,15 @@ class NativeSockets:
                 node.seg if node is not None else None, plan.ops,
                 (_bytes(flat), self._scratch, *map(_bytes, more)), codes[0], codes[1], factor,
                 divisor, call.seq, node.encode(call.fp) if node is not None else b"", wait,
-                self._check, (self.out_fd, self.in_fd, self.conns, fp))
+                self._check, (self.out_fd, self.in_fd, self.conns, fp),
+                node.rank_map if node is not None else b"")
         finally:
             self.tcp._waiting = None
         if status:
             got = (node.failed(self.tcp.ctx, self.tcp, call, status, peer)
                    if node is not None and node.seg is not None and not self._closed else None)
-            raise got if got is not None else self._failed(call, status, peer, err, broke, exc)
+            raise got if got is not None else self._failed(call, status, peer, err, broke, exc,
+                                                           node)
 
     def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
         """While a run waits: the call's deadline, then the coordinator's check."""
@@ -345,7 +347,7 @@ class NativeSockets:
             pass
 
     def _failed(self, call: "Call", status: int, peer: int, err: int, broke: bool,
-                exc: Optional[BaseException]) -> BaseException:
+                exc: Optional[BaseException], node: Any = None) -> BaseException:
         """The error of a run that ended with ``status``. ``broke``: the core shut the call's
         sockets itself (the failure breaks the group); ``exc``: what the check raised."""
         ctx = self.tcp.ctx
@@ -370,6 +372,10 @@ class NativeSockets:
             ctx.fail(errors.GroupBrokenError(
                 f"{where}: the ranks' calls differ, and rank {ranks[ctx.rank]} had to leave a "
                 "message mid-way; the group is broken", **ctx.ctx(call)))
+        problem = node.mismatch(ctx) if status == core.MISMATCH and node is not None else None
+        if problem:  # the node's ranks disagreed at the segment's first step
+            self._tell_others(call, f"{where}: {problem}")
+            return errors.CollectiveMismatchError(f"{where}: {problem}", **ctx.ctx(call))
         if status == core.MISMATCH:
             message = (f"{where}: rank {ranks[peer]} sent rank {ranks[ctx.rank]} a message of "
                        "another call (a different collective, or different shapes, dtype, op "

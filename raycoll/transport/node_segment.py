@@ -14,8 +14,7 @@ every rank: the choice is made from what every rank agrees on), two steps throug
 coordinator, as the one-node segment's: each node's local rank 0 creates the segment (a
 name carrying a hash of the group's secret, mode 0600, its memory reserved at once), every
 rank learns its node's name in step 0 and maps it, and step 1 tells every rank whether every
-node's ranks did, each node's half size and whether each rank may read its node-mates'
-memory (``process_vm_readv``: the one-node segment's probe); the names are unlinked once step 1 is through
+node's ranks did, and each node's half size; the names are unlinked once step 1 is through
 (nothing stays in /dev/shm). If any node failed, every rank goes without (the socket
 schedules run instead), each saying why in the log. The plans stream through the smallest
 half of the group's nodes, so that every rank cuts its chunks alike.
@@ -31,11 +30,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
+import numpy as np
+
 from raycoll import errors
+from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.native import core
 from raycoll.options import or_default
 from raycoll.transport.fingerprints import Fingerprints
-from raycoll.transport.segment import MIN_SEGMENT_BYTES, SEGMENT_BYTES, _all_mapped, _name
+from raycoll.transport.segment import MIN_SEGMENT_BYTES, SEGMENT_BYTES, _name
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -66,14 +68,12 @@ class NodeSegment:
     ``None`` on a node with one rank of the group), the group ranks sharing it (by local
     rank), and the smallest half of the group's nodes (what the plans stream through)."""
 
-    def __init__(self, seg: Any, ranks: Tuple[int, ...], half: int, cma: bool = False) -> None:
+    def __init__(self, seg: Any, ranks: Tuple[int, ...], half: int) -> None:
         self.seg = seg
         self.ranks = ranks
+        #: each local rank's group rank, as the executor's waits name pending ranks by
+        self.rank_map = np.array(ranks, dtype=np.int32).tobytes()
         self.half = half
-        #: whether every rank of the group's nodes of 2+ ranks may read its node-mates'
-        #: buffers (``process_vm_readv``; the set-up's probe): the large plans read them
-        #: instead of streaming through the halves (the same on every rank)
-        self.cma = cma
         self._fps = Fingerprints()
 
     def encode(self, fp: Any) -> bytes:
@@ -84,6 +84,19 @@ class NodeSegment:
         """Unmap the segment (a run in flight in another thread ends first: ``CLOSED``)."""
         if self.seg is not None:
             self.seg.close()
+
+    def mismatch(self, ctx: "GroupContext") -> Optional[str]:
+        """What the node's ranks disagreed on at the call's first step (a ``MISMATCH`` of the
+        segment), or ``None`` where they agree (the mismatch came over a socket)."""
+        if self.seg is None:
+            return None
+        parity = self.seg.step & 1
+        try:
+            fps = {self.ranks[j]: Fingerprints.decode(self.seg.info(j, parity)["fp"])
+                   for j in range(len(self.ranks))}
+        except Exception:  # noqa: BLE001 - an undecodable info: the sockets' words then
+            return None
+        return fingerprint_mismatch(fps, ctx.global_ranks)
 
     def failed(self, ctx: "GroupContext", tcp: Any, call: "Call", status: int,
                peer: int) -> Optional[BaseException]:
@@ -154,22 +167,18 @@ def set_up_node_segment(ctx: "GroupContext", call: "Call") -> Optional[NodeSegme
             except core.SegmentError as exc:
                 why = str(exc)
         fine = len(mates) == 1 or seg is not None
-        cma = seg is not None and _all_mapped(seg, len(mates)) and bool(seg.probe_cma())
         ok: Sequence[Any] = ctx.setup_exchange(
-            call, [(fine, why, seg.half_bytes if seg is not None else 0, cma)] * ctx.size,
-            step=1)
+            call, [(fine, why, seg.half_bytes if seg is not None else 0)] * ctx.size, step=1)
     finally:
         if name and me == 0:
             core.unlink(name)  # every local rank mapped it (or gave up)
     ctx.skip_setup_step(call)  # the call's own coordinator steps (if any) move past these
-    failed = {j: w for j, (good, w, _, _) in enumerate(ok) if not good}
+    failed = {j: w for j, (good, w, _) in enumerate(ok) if not good}
     if failed:
         if seg is not None:
             seg.close()
         logger.warning("raycoll: group %r runs without node segments: %s", ctx.group_name,
                        "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
         return None
-    halves = [h for _, _, h, _ in ok if h]
-    # cross-memory reads where every rank on a node of 2+ may read its node-mates' memory
-    cma = all(c for j, (_, _, h, c) in enumerate(ok) if h)
-    return NodeSegment(seg, mates, min(halves) if halves else _half_bytes(ctx), cma)
+    halves = [h for _, _, h in ok if h]
+    return NodeSegment(seg, mates, min(halves) if halves else _half_bytes(ctx))
