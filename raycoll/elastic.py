@@ -190,7 +190,7 @@ def _shrink_root(pg: ProcessGroup, excluded: List[int], kept: List[int]) -> Proc
     conns, seq = elastic_links.settle(mine, info)
     desc = "default:shrunken" if was_default else f"{pg.name}:shrunk"
     new = install_root_group(_spec(pg), kept.index(me), client, info, pg.backend_config,
-                             make_default=was_default, group_desc=desc, lease=False)
+                             make_default=was_default, group_desc=desc)
     elastic_links.adopt(new, conns, seq)
     if kept.index(me) == 0:  # the excluded ranks still alive drop the old generation
         for r in excluded:
@@ -254,10 +254,9 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     if links is not None and links._listener is not None:  # no peer may reach the old
         links._listener.unregister(links)  # generation while the new one's links form
     mine = elastic_links.offer(pg, range(pg.size()), take=False)
-    client = CoordinatorClient(root.client.handle, pg.name)  # (holds the new lease)
     try:
-        info = client.reconfigure("grow", root.generation, me, me, None, None, None,
-                                  _config(pg), seconds, hand=mine.report)
+        info = root.client.reconfigure("grow", root.generation, me, me, None, None, None,
+                                       _config(pg), seconds, hand=mine.report)
     except BaseException:
         if links is not None and links._listener is not None:
             links._listener.register(links)
@@ -265,8 +264,9 @@ def admit_new_ranks(group: Any = None, timeout: Any = None) -> ProcessGroup:
     conns, seq = elastic_links.settle(mine, info)  # (out of the old links before they close)
     was_default = pg.is_default
     world().remove(pg.name, "admit_new_ranks: replaced by the grown group")
+    client = CoordinatorClient(root.client.handle, pg.name)
     grown = install_root_group(_spec(pg), me, client, info, pg.backend_config,
-                               make_default=was_default, group_desc=pg._group_desc, lease=False)
+                               make_default=was_default, group_desc=pg._group_desc)
     elastic_links.adopt(grown, conns, seq)
     del held
     return grown
@@ -288,7 +288,7 @@ def _newcomer(actor_self: Any, name: str, coordinator: Any, index: int, count: i
     spec = GroupSpec(name, size, config.get("backend"), float(config.get("timeout_s", timeout_s)),
                      coordinator, config.get("options") or GroupOptions(),
                      bool(config.get("by_name", False)))
-    pg = install_root_group(spec, rank, client, info, backend_config(spec.backend), lease=False)
+    pg = install_root_group(spec, rank, client, info, backend_config(spec.backend))
     elastic_links.adopt(pg, {}, elastic_links.settle(None, info)[1])
     return [m.get("actor_id") for m in info["members"]]
 

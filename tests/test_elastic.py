@@ -217,7 +217,7 @@ def test_two_ranks_killed_between_collectives(team):
     assert [a["value"] for a in again] == [3.0, 3.0]
     joined = ray.get([_run(actors[r], _uneven, r) for r in (1, 3)], timeout=60)
     assert joined == [(-7.0, 2, 2), (-7.0, 4, 1)], joined  # (w, steps, last contributors)
-    # the survivors hold their leases of the new generation (taken with the shrink): the
+    # the survivors hold their leases of the new generation (taken as it installs): the
     # coordinator finds new rank 1 dead by its own, with no call made
     ray.kill(actors[3], no_restart=True)
     dead = _wait_dead(name, {1})

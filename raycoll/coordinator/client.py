@@ -126,14 +126,10 @@ class CoordinatorClient:
                     joining: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
         """Take part in a membership change (shrink or grow, see
         :mod:`raycoll.coordinator.elastic`); waits up to ``timeout_s`` for every rank of the
-        next generation. Returns ``{"members", "generation", "secret", "config", "hands"}``.
-        The rank's lease of the next generation (see :meth:`hold_lease`) is taken with the
-        call, as :meth:`rendezvous` takes it: held once the change is made."""
-        token = os.urandom(12).hex()
-        self.lease = self.handle.lease.remote(new_rank, -1, token)
+        next generation. Returns ``{"members", "generation", "secret", "config", "hands"}``."""
         ref: "ray.ObjectRef" = self.handle.reconfigure.remote(
             kind, generation, old_rank, new_rank, new_size, plan, info, config, timeout_s, hand,
-            joining, [self.lease], token)
+            joining)
         return self.wait(ref, timeout_s, group=self.group_name, op=f"{kind}_group")
 
     def membership(self, timeout_s: float, where: Where = None) -> Dict[str, Any]:

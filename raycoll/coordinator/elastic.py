@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from raycoll.coordinator.logic import Result, err, fmt_ranks, ok
 from raycoll.coordinator.state import CoordinatorState
@@ -46,8 +46,6 @@ class _Reconfiguration:
     # new rank -> (old rank, rank info of a newcomer, its config, what it hands over)
     arrivals: Dict[int, Tuple[Optional[int], Optional[Dict[str, Any]], Any, Any]] = field(
         default_factory=dict)
-    #: new rank -> the lease it took with its arrival (token, reference)
-    leases: Dict[int, Tuple[str, Any]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     answer: Optional[Result] = None
 
@@ -61,8 +59,7 @@ class ElasticMixin(CoordinatorState):
                           new_rank: int, new_size: Optional[int], plan: Any,
                           info: Optional[Dict[str, Any]], config: Any,
                           timeout_s: float, hand: Optional[Dict[str, Any]] = None,
-                          joining: Optional[Tuple[int, int]] = None,
-                          lease: Optional[List[Any]] = None, token: str = "") -> Result:
+                          joining: Optional[Tuple[int, int]] = None) -> Result:
         """Arrive at the change of the group into its next generation (see the module).
 
         ``kind``: ``"shrink"`` or ``"grow"``; ``generation``: the generation the caller is a
@@ -79,22 +76,7 @@ class ElasticMixin(CoordinatorState):
         (``hands``: each new rank's ``hand``, by new rank). ``joining``: a newcomer's
         ``(index, count)`` among the actors joining together, in place of ``new_rank`` and
         ``new_size`` (it takes rank ``world size + index``); refused while a member is dead
-        (the survivors must shrink first) or if the newcomer is a member already. ``lease``
-        (a list holding the reference of the caller's ``lease(rank, -1, token)`` call, taken
-        just before): its lease of the next generation once the change is made, with no
-        ``watch`` call after (as a rendezvous takes it); it ends if the change fails."""
-        result = await self._reconfigure(kind, generation, old_rank, new_rank, new_size, plan,
-                                         info, config, timeout_s, hand, joining,
-                                         (token, lease[0]) if lease and token else None)
-        if result[0] != "ok" and token:
-            self._end_token_lease(token)
-        return result
-
-    async def _reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
-                           new_rank: int, new_size: Optional[int], plan: Any,
-                           info: Optional[Dict[str, Any]], config: Any, timeout_s: float,
-                           hand: Optional[Dict[str, Any]], joining: Optional[Tuple[int, int]],
-                           lease: Optional[Tuple[str, Any]]) -> Result:
+        (the survivors must shrink first) or if the newcomer is a member already."""
         if kind not in ("shrink", "grow"):
             return err("value", f"reconfigure: kind must be 'shrink' or 'grow', got {kind!r}")
         if generation is not None and generation != self._generation:
@@ -141,8 +123,6 @@ class ElasticMixin(CoordinatorState):
             return err("value", f"{kind} of group {self._group_name!r}: new rank {new_rank} is "
                        f"taken or out of range (new world size {rc.size})")
         rc.arrivals[new_rank] = (old_rank, info, config, hand)
-        if lease is not None:
-            rc.leases[new_rank] = lease
         self._maybe_reconfigure(rc)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not rc.done.is_set():
@@ -217,8 +197,6 @@ class ElasticMixin(CoordinatorState):
         self._generation = old_generation + 1
         self._secret = secrets.token_bytes(16)
         self._roster = [dict(members[r], rank=r) for r in range(rc.size)]
-        for rank, (token, ref) in rc.leases.items():  # each one's lease of the new generation
-            self._adopt_lease(rank, self._generation, token, ref)
         self._left = set()
         hands = {r: hand for r, (_old, _info, _given, hand) in rc.arrivals.items() if hand}
         rc.answer = ok({"members": self._roster, "generation": self._generation,
