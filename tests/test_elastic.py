@@ -217,6 +217,11 @@ def test_two_ranks_killed_between_collectives(team):
     assert [a["value"] for a in again] == [3.0, 3.0]
     joined = ray.get([_run(actors[r], _uneven, r) for r in (1, 3)], timeout=60)
     assert joined == [(-7.0, 2, 2), (-7.0, 4, 1)], joined  # (w, steps, last contributors)
+    # the survivors hold their leases of the new generation (taken as it installs): the
+    # coordinator finds new rank 1 dead by its own, with no call made
+    ray.kill(actors[3], no_restart=True)
+    dead = _wait_dead(name, {1})
+    assert "lease" in dead[1], dead
 
 
 def _uneven(rank: int) -> Any:
@@ -233,16 +238,18 @@ def _uneven(rank: int) -> Any:
     return float(w[0]), avg.steps, avg.contributors
 
 
-def _wait_dead(name: str, ranks: set) -> None:
-    """Until the group's coordinator has found ``ranks`` dead (bounded)."""
+def _wait_dead(name: str, ranks: set) -> Dict[int, str]:
+    """Until the group's coordinator has found ``ranks`` dead (bounded); the dead ranks
+    with the reason."""
     from raycoll.launch import DRIVER_GROUPS
     from raycoll.session import current
 
     client = CoordinatorClient(DRIVER_GROUPS.get(name, current()).spec.coordinator, name)
     deadline = time.monotonic() + 30
-    while set(client.dead_ranks(10.0)) < ranks:
-        assert time.monotonic() < deadline, client.dead_ranks(10.0)
+    while set(dead := client.dead_ranks(10.0)) < ranks:
+        assert time.monotonic() < deadline, dead
         time.sleep(0.05)
+    return dead
 
 
 def _subgroup_then_shrink(rank: int) -> Dict[str, Any]:
