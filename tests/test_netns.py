@@ -251,7 +251,7 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
 
 
 def test_a_rank_killed_on_one_node_survivors_shrink_and_a_replacement_grows_it(
-        raycoll_netns, team, tmp_path):
+        machine_before, raycoll_netns, team, tmp_path):
     """Elastic groups across the namespaces' links (issue 46): rank 3 (node 2) SIGKILLed
     mid-stream; the survivors (two on node 1, one on node 2) fail naming it, shrink and
     reduce right; a new actor on node 2 grows the group and takes rank 0's state over the
@@ -259,8 +259,11 @@ def test_a_rank_killed_on_one_node_survivors_shrink_and_a_replacement_grows_it(
     import os
     import signal
 
+    import test_elastic
     from test_elastic import (_admit_and_share, _pid, _reduce_until_failure, _share,
                               _shrink_and_reduce, _state)
+
+    ray.cloudpickle.register_pickle_by_value(test_elastic)  # (not collected with -k)
 
     cluster = raycoll_netns
     name = f"elastic-{uuid.uuid4().hex[:6]}"
