@@ -13,6 +13,7 @@ Needs root, ``ip`` and ``tc`` (see docs/topology-testing.md). Run:
 
     sudo python benchmarks/netns.py                     # the default matrix
     python benchmarks/netns.py --layouts 4+4 --rates 1gbit --sizes 64M --ops all_reduce
+    python benchmarks/netns.py --layouts 2+2 --ops all_reduce,send_recv --pattern after-barrier
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import ray
 
 import raycoll
-from raycoll.bench.peers import GlooPeer, _count, timed_calls
+from raycoll.bench.peers import PATTERNS, GlooPeer, _count, timed_calls
 from raycoll.launch import RankWorker
 from raycoll.testing_netns import NetnsCluster, netns_unavailable
 
+#: The default ops; ``send_recv`` (a round trip between rank 0 and the last rank, on
+#: another node) and the other ops of ``raycoll-bench`` run too when named.
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 
@@ -60,20 +62,14 @@ def _iters(nbytes: int) -> Tuple[int, int]:
 
 
 def _raycoll_bench(rank: int, group: str, op: str, count: int, world: int, iters: int,
-                   warmup: int) -> Tuple[List[float], int]:
-    """Runs in each rank: ``warmup`` + 1 untimed calls, a barrier, ``iters`` timed calls.
-    Returns the times and the bytes this rank sent to other nodes over all those calls."""
+                   warmup: int, pattern: str = "back-to-back") -> Tuple[List[float], int]:
+    """Runs in each rank: ``warmup`` + 1 untimed calls, a barrier, ``iters`` timed calls
+    following ``pattern`` (raycoll.bench's). Returns the times and the bytes this rank sent
+    to other nodes over all those calls (the collectives' counters)."""
+    from raycoll.bench.ranks import _raycoll_step
     from raycoll.groups import world as world_state
 
-    x = np.zeros(count, np.float32)
-    chunks = [np.zeros(count, np.float32) for _ in range(world)]
-    steps = {
-        "all_reduce": lambda: raycoll.all_reduce(x, group=group),
-        "broadcast": lambda: raycoll.broadcast(x, src=0, group=group),
-        "all_gather": lambda: raycoll.all_gather(chunks, x, group=group),
-        "reduce_scatter": lambda: raycoll.reduce_scatter(x, chunks, group=group),
-    }
-    step = steps[op]
+    step, _ = _raycoll_step(op, count, "float32", rank, world, group)
     pg = world_state().groups[group]
 
     def other_node() -> int:
@@ -84,7 +80,7 @@ def _raycoll_bench(rank: int, group: str, op: str, count: int, world: int, iters
     for _ in range(warmup + 1):
         step()
     raycoll.barrier(group=group)
-    times = timed_calls(step, iters)
+    times = timed_calls(step, iters, pattern, lambda: raycoll.barrier(group=group))
     return times, other_node() - before
 
 
@@ -94,7 +90,7 @@ def _per_node(cluster: NetnsCluster, before: Dict[int, int], calls: int) -> int:
 
 
 def run_layout(cluster: NetnsCluster, layout: List[int], rates: List[str], sizes: List[int],
-               ops: List[str], out: List[str]) -> None:
+               ops: List[str], out: List[str], pattern: str = "back-to-back") -> None:
     placement = [i + 1 for i, n in enumerate(layout) for _ in range(n)]
     world = len(placement)
     options = [cluster.actor_options(node) for node in placement]
@@ -115,7 +111,8 @@ def run_layout(cluster: NetnsCluster, layout: List[int], rates: List[str], sizes
                     calls = iters + warmup + 1
                     before = cluster.sent_bytes()
                     got = ray.get([a.run.remote(_raycoll_bench, r, (group, op, count, world,
-                                                                     iters, warmup), {})
+                                                                     iters, warmup, pattern),
+                                                {})
                                    for r, a in enumerate(actors)], timeout=1800)
                     rc_link = _per_node(cluster, before, calls)
                     rc_times = [max(t) for t in zip(*[g[0] for g in got])]
@@ -124,7 +121,8 @@ def run_layout(cluster: NetnsCluster, layout: List[int], rates: List[str], sizes
                         by_node[node] = by_node.get(node, 0) + sent
                     rc_counted = max(by_node.values()) // calls
                     before = cluster.sent_bytes()
-                    gl_times = gloo.run(op, nbytes, "float32", iters=iters, warmup=warmup)
+                    gl_times = gloo.run(op, nbytes, "float32", iters=iters, warmup=warmup,
+                                        pattern=pattern)
                     gl_link = _per_node(cluster, before, calls)
                     rc, gl = statistics.median(rc_times), statistics.median(gl_times)
                     line = (f"{name:>8} {rate:>7} {op:>15} {_label(nbytes):>8} "
@@ -160,6 +158,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--rates", default="1gbit,10gbit", help="link rates (tc tbf)")
     parser.add_argument("--sizes", default="4,1M,64M")
     parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--pattern", choices=PATTERNS, default="back-to-back",
+                        help="each timed call back to back, after an untimed barrier, or "
+                             "after a 1 ms pause (raycoll-bench's --pattern)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
     matrix = parse_matrix(args, "netns benchmark")
@@ -180,7 +181,7 @@ def main(argv: List[str]) -> int:
             try:
                 for layout in layouts:
                     if len(layout) == nodes:
-                        run_layout(cluster, layout, rates, sizes, ops, out)
+                        run_layout(cluster, layout, rates, sizes, ops, out, args.pattern)
             finally:
                 ray.shutdown()
     if args.out:

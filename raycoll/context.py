@@ -14,7 +14,7 @@ by the layer that forms the group (:class:`raycoll.process_group.ProcessGroup`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import ray

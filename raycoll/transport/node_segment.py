@@ -35,9 +35,8 @@ import numpy as np
 from raycoll import errors
 from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.native import core
-from raycoll.options import or_default
 from raycoll.transport.fingerprints import Fingerprints
-from raycoll.transport.segment import MIN_SEGMENT_BYTES, SEGMENT_BYTES, _name
+from raycoll.transport.segment import _half_bytes, agree_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -127,58 +126,14 @@ class NodeSegment:
         return err
 
 
-def _half_bytes(ctx: "GroupContext") -> int:
-    per_rank = int(or_default(ctx.options.node_segment_bytes, SEGMENT_BYTES))
-    return max(core.PAGE, per_rank // 2 // core.PAGE * core.PAGE)
-
-
-def _create(ctx: "GroupContext", name: str, nranks: int) -> Tuple[Any, str]:
-    """The node's segment for ``nranks`` local ranks, created here (a smaller one where
-    /dev/shm has no room, down to ``MIN_SEGMENT_BYTES`` a rank), or ``None`` and why not."""
-    half = _half_bytes(ctx)
-    while True:
-        try:
-            return core.Segment(name, nranks, 0, half, True), ""
-        except core.SegmentError as exc:
-            if exc.errno == 28 and 2 * half > MIN_SEGMENT_BYTES:  # ENOSPC
-                half = max(core.PAGE, half // 2 // core.PAGE * core.PAGE)
-                continue
-            return None, str(exc)
-
-
 def set_up_node_segment(ctx: "GroupContext", call: "Call") -> Optional[NodeSegment]:
     """Set up the group's node segments inside ``call`` (two steps through the coordinator,
     alike on every rank): this rank's :class:`NodeSegment`, or ``None`` on every rank where
     any node could not (each says why in the log)."""
     mates = segment_ranks(ctx.node_ids, ctx.rank)
-    me = mates.index(ctx.rank)
-    seg: Any = None
-    why = ""
-    name = _name(ctx) if me == 0 and len(mates) > 1 else ""
-    if name:
-        seg, why = _create(ctx, name, len(mates))
-    offer = (name, seg.half_bytes if seg is not None else 0, why)
-    try:
-        got = ctx.setup_exchange(call, [offer] * ctx.size)
-        name, half, why = got[mates[0]]
-        if me != 0 and half:
-            try:
-                seg = core.Segment(name, len(mates), me, half, False)
-            except core.SegmentError as exc:
-                why = str(exc)
-        fine = len(mates) == 1 or seg is not None
-        ok: Sequence[Any] = ctx.setup_exchange(
-            call, [(fine, why, seg.half_bytes if seg is not None else 0)] * ctx.size, step=1)
-    finally:
-        if name and me == 0:
-            core.unlink(name)  # every local rank mapped it (or gave up)
+    seg, ok = agree_segment(ctx, call, mates, "node segments", lambda seg: seg.half_bytes)
     ctx.skip_setup_step(call)  # the call's own coordinator steps (if any) move past these
-    failed = {j: w for j, (good, w, _) in enumerate(ok) if not good}
-    if failed:
-        if seg is not None:
-            seg.close()
-        logger.warning("raycoll: group %r runs without node segments: %s", ctx.group_name,
-                       "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
+    if seg is None and len(mates) > 1 or not all(good for good, _, _ in ok):
         return None
     halves = [h for _, _, h in ok if h]
     return NodeSegment(seg, mates, min(halves) if halves else _half_bytes(ctx))

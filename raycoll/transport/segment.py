@@ -36,7 +36,7 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -106,14 +106,15 @@ def _half_bytes(ctx: "GroupContext") -> int:
     return max(core.PAGE, per_rank // 2 // core.PAGE * core.PAGE)
 
 
-def _create(ctx: "GroupContext", name: str) -> Tuple[Any, str]:
-    """The segment, created here, or ``None`` and why not: a /dev/shm too small for it gets
-    a smaller one (down to ``MIN_SEGMENT_BYTES`` a rank), with a warning naming the option."""
+def _create(ctx: "GroupContext", name: str, nranks: int) -> Tuple[Any, str]:
+    """The segment of ``nranks`` local ranks, created here, or ``None`` and why not: a
+    /dev/shm too small for it gets a smaller one (down to ``MIN_SEGMENT_BYTES`` a rank),
+    with a warning naming the option."""
     half = _half_bytes(ctx)
     wanted = half
     while True:
         try:
-            seg = core.Segment(name, ctx.size, 0, half, True)
+            seg = core.Segment(name, nranks, 0, half, True)
         except core.SegmentError as exc:
             if exc.errno == 28 and 2 * half > MIN_SEGMENT_BYTES:  # ENOSPC
                 half = max(core.PAGE, half // 2 // core.PAGE * core.PAGE)
@@ -128,36 +129,52 @@ def _create(ctx: "GroupContext", name: str) -> Tuple[Any, str]:
         return seg, ""
 
 
+def agree_segment(ctx: "GroupContext", call: "Call", mates: Sequence[int], what: str,
+                  extra: Callable[[Any], Any]) -> Tuple[Any, List[Tuple[bool, str, Any]]]:
+    """Make the segment of group ranks ``mates`` (this rank among them; the first creates it,
+    the others map it) inside ``call``, in two steps through the coordinator alike on every
+    rank of the group: the segment, or ``None`` on every rank if any rank of any node could
+    not (each says why in the log, naming ``what`` it goes without), and every rank's
+    ``(fine, why, extra(segment))`` of the second step. A lone rank (``mates`` of one) has
+    none and is fine."""
+    me = mates.index(ctx.rank)
+    seg: Any = None
+    why = ""
+    name = _name(ctx) if me == 0 and len(mates) > 1 else ""
+    if name:
+        seg, why = _create(ctx, name, len(mates))
+    offer = (name, seg.half_bytes if seg is not None else 0, why)
+    try:
+        got = ctx.setup_exchange(call, [offer] * ctx.size)
+        leader, half, why = got[mates[0]]
+        if me != 0 and half:
+            try:
+                seg = core.Segment(leader, len(mates), me, half, False)
+            except core.SegmentError as exc:
+                why = str(exc)
+        fine = len(mates) == 1 or seg is not None
+        mine = (fine, why, extra(seg) if seg is not None else None)
+        ok: List[Tuple[bool, str, Any]] = ctx.setup_exchange(call, [mine] * ctx.size, step=1)
+    finally:
+        if name:
+            core.unlink(name)  # every local rank mapped it (or gave up): nothing stays behind
+    failed = {j: w for j, (good, w, _) in enumerate(ok) if not good}
+    if failed:
+        if seg is not None:
+            seg.close()
+        logger.warning("raycoll: group %r runs without %s: %s", ctx.group_name, what,
+                       "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
+        return None, ok
+    return seg, ok
+
+
 def set_up_segment(ctx: "GroupContext", call: "Call") -> Optional["SegmentLane"]:
     """Set up the group's node segment inside ``call`` (two steps through the coordinator,
     alike on every rank): the :class:`SegmentLane`, or ``None`` on every rank if any rank
     could not map it (each says why in the log)."""
-    me = ctx.rank
-    seg: Any = None
-    why = ""
-    name = _name(ctx) if me == 0 else ""
-    if me == 0:
-        seg, why = _create(ctx, name)
-    offer = (name, seg.half_bytes if seg is not None else 0, why)
-    try:
-        got = ctx.setup_exchange(call, [offer] * ctx.size)
-        name, half, why = got[0]
-        if me != 0 and half:
-            try:
-                seg = core.Segment(name, ctx.size, me, half, False)
-            except core.SegmentError as exc:
-                why = str(exc)
-        cma = seg is not None and _all_mapped(seg, ctx.size) and seg.probe_cma()
-        ok = ctx.setup_exchange(call, [(seg is not None, why, cma)] * ctx.size, step=1)
-    finally:
-        if name:
-            core.unlink(name)  # every rank mapped it (or gave up): nothing stays in /dev/shm
-    failed = {j: w for j, (fine, w, _) in enumerate(ok) if not fine}
-    if failed:
-        if seg is not None:
-            seg.close()
-        logger.warning("raycoll: group %r runs without a node segment: %s", ctx.group_name,
-                       "; ".join(f"rank {ctx.global_ranks[j]}: {w}" for j, w in failed.items()))
+    seg, ok = agree_segment(ctx, call, range(ctx.size), "a node segment",
+                            lambda seg: _all_mapped(seg, ctx.size) and seg.probe_cma())
+    if seg is None:
         return None
     return SegmentLane(ctx, seg, cma=all(c for _, _, c in ok))
 
