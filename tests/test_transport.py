@@ -19,7 +19,7 @@ import ray
 from helpers import every_op
 
 import raycoll
-from raycoll.native import core, native_status
+from raycoll.native import core, native_available, native_status
 from raycoll.world import world
 
 
@@ -328,6 +328,9 @@ def test_a_rank_without_the_native_core_sends_the_group_through_the_store_warnin
     store (the one fallback) on every rank, and each process says so once, naming why: the
     rank without the core its own reason, the other that a rank of the group lacks it."""
     from raycoll.launch import RankWorker
+
+    if not native_available():  # (RAYCOLL_NATIVE=0 here reaches every rank: none has it)
+        pytest.skip(f"needs the native core in this process: {native_status()}")
 
     worker = ray.remote(num_cpus=0)(RankWorker)
     team = [worker.options(runtime_env={"env_vars": {"RAYCOLL_NATIVE": "0"}}).remote(),
