@@ -174,13 +174,14 @@ def _until_every_rank_completed(name: str, count: int, within_s: float = 60.0) -
 
 def _fault_then_reform(cluster, team, cut, restore, n: int = 1 << 20,
                        timeouts: Sequence[Optional[float]] = (None,) * 4,
-                       bound_s: float = BOUND_S) -> List[Dict[str, Any]]:
+                       bound_s: float = BOUND_S,
+                       options: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Run the loop (all_reduces of ``n`` floats; rank r's calls time out after
     ``timeouts[r]``, None: the group's) on every rank, apply ``cut`` mid-stream, check each
     rank's error came within ``bound_s`` of it, apply ``restore``, then form a new group
     among the same actors and all_reduce."""
     name = f"fault-{uuid.uuid4().hex[:6]}"
-    raycoll.create_group(team, group_name=name, timeout=TIMEOUT_S)
+    raycoll.create_group(team, group_name=name, timeout=TIMEOUT_S, options=options)
     refs = [a.run.remote(_loop_all_reduce, r, (name, 60.0, n, timeouts[r]), {})
             for r, a in enumerate(team)]
     _until_every_rank_completed(name, 2)  # the ranks are inside the loop of all_reduces
@@ -238,10 +239,14 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
     # their own, so the first to time out is on the fast node, waiting for the slow node.
     # A 64 MiB call at 1 Gbit/s takes about a second, but over 4 s on a loaded machine
     # (2 cores, load 30): the fast node's calls get 15 s (the crawl's would take minutes).
+    # The sockets' schedules (transport="tcp"): on the node segments' plans a rank of the
+    # fast node waits at a segment step for its node-mate, which waits in the inter-node step
+    # on the slow link, and names that node-mate (not yet the slow node's ranks behind it).
     fast, late = 15.0, 25.0
     results = _fault_then_reform(cluster, team, lambda: cluster.set_rate(2, "1mbit"),
                                  lambda: cluster.set_rate(2, "1gbit"), n=1 << 24,
-                                 timeouts=(fast, fast, late, late), bound_s=fast + 20.0)
+                                 timeouts=(fast, fast, late, late), bound_s=fast + 20.0,
+                                 options={"transport": "tcp"})
     print([(r["type"], round(r["call_s"], 1), r["msg"][:300]) for r in results])
     for res in results:
         assert res["type"] == "DistTimeoutError", res
