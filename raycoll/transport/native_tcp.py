@@ -33,6 +33,7 @@ import numpy as np
 from raycoll import errors
 from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.schedule import Schedule
+from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
 from raycoll.transport.base import may_spin
 from raycoll.tensors import dtype_name
@@ -41,7 +42,6 @@ from raycoll.transport.frames import PeerClosed, PeerLeft
 from raycoll.transport.links import peer_failure
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.context import Call
     from raycoll.reduce_op import ReduceOp
 
 __all__ = ["NativeSockets", "SPIN_S"]
@@ -147,8 +147,6 @@ class NativeSockets:
     def run_fast(self, entry: Any, seq: int, timeout_s: float, arr: np.ndarray) -> None:
         """Run an all_reduce of :meth:`fast_plan` as collective ``seq``: what the full path
         runs, without its probes."""
-        from raycoll.context import Call  # (the context imports the transports' module)
-
         plan, codes, op, fp, algorithm = entry
         call = Call("all_reduce", seq, timeout_s, fp)
         self.tcp.run_native(call, plan, arr.reshape(-1), codes, op)

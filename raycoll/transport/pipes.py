@@ -239,16 +239,12 @@ class PairPipes:
         if dst in self._failed:
             raise self._failed[dst]
         pipe = self._pipe(dst)
+        if self.send_now(data, dst, tag, code):  # small, nothing before it, room: sent
+            return _done
         out = self._outs[dst]
         with out.turn:
             ticket = out.next_ticket
             out.next_ticket += 1
-            if out.serving == ticket and data.nbytes <= EAGER_BYTES:
-                status, _, _ = pipe.send(data, tag, code, False, False, False, (0, 0, 0, 0),
-                                         None)
-                if status == core.OK:
-                    out.serving += 1
-                    return _done
         return lambda: self._finish_send(pipe, out, ticket, data, dst, tag, code, timeout_s)
 
     def _finish_send(self, pipe: Any, out: _Out, ticket: int, data: np.ndarray, dst: int,
