@@ -141,9 +141,19 @@ def _ddp_sparse(rank: int, backend: str, steps: int) -> List[List[float]]:
             assert model[0].weight.grad.is_sparse
             opt.step()
             opt.zero_grad()
+        if backend == "gloo":  # kept for the actor's life: see the note below
+            vars(dist).setdefault("_raycoll_tests_kept", []).append(ddp)
         return grads + [p.detach().flatten().tolist() for p in model.parameters()]
     finally:
         dist.destroy_process_group()
+
+
+# torch 2.13's gloo deadlocks when the last reference to its ProcessGroup goes while a gloo
+# worker thread still holds a finished sparse allreduce: the main thread joins the workers
+# holding the GIL, and the work's thread-local state (the contextvars context that every
+# backward stashes) needs the GIL to be freed. Seen as a 1-in-3 hang when DDP was freed on
+# return, so the gloo run's DDP (and its ProcessGroupGloo) stays alive in the rank's actor,
+# on a module that outlives the call (this function travels by value: its globals do not).
 
 
 @pytest.mark.timeout(180)
