@@ -26,5 +26,7 @@ int parse_call(PyObject *wait, rc_call *call);
 PyObject *check_exception(int rc);
 /* Adds the Pipe type (pipemodule.c) to the module: 0, or -1 with an exception set. */
 int add_pipe_type(PyObject *m);
+/* Adds the SockPipe type (sockpipemodule.c): 0, or -1 with an exception set. */
+int add_sockpipe_type(PyObject *m);
 
 #endif

@@ -666,7 +666,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&SegmentType) < 0) return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) return NULL;
-    if (add_pipe_type(m) < 0) {
+    if (add_pipe_type(m) < 0 || add_sockpipe_type(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

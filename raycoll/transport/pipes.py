@@ -1,11 +1,15 @@
-"""Point-to-point messages between ranks on one node over the native core's pair pipes
-(:class:`PairPipes`; the layout and protocol are in ``raycoll/native/pipe.h``).
+"""Point-to-point messages between ranks over the native core's pair pipes
+(:class:`PairPipes`; the layout and protocol are in ``raycoll/native/pipe.h`` and
+``raycoll/native/sockpipe.h``).
 
-A group whose ranks are all on this node, where every rank runs the native core, sends and
-receives through one shared-memory pipe per pair of ranks, made by the pair's first message
-(both ranks derive its name from the group's secret; whichever comes first creates it). The
-native core moves the bytes and waits (spinning briefly where ranks fit the cores, then on a
-futex), with the GIL released; Python matches messages to receives.
+A group where every rank runs the native core sends and receives through one pipe per pair
+of ranks, made by the pair's first message: a shared-memory pipe between two ranks on one
+node (both ranks derive its name from the group's secret; whichever comes first creates it),
+a socket pipe over the group's ``"p2p"`` direct connections between ranks on two nodes
+(:mod:`raycoll.transport.sockpipes`). Both have one interface, so the matching below is the
+same for every peer. The native core moves the bytes and waits (spinning briefly where ranks
+fit the cores, then on a futex or in poll), with the GIL released; Python matches messages to
+receives.
 
 - **Sends** keep their order per destination (a ticket each, taken when the send is posted).
   A message of at most ``EAGER_BYTES`` that fits the pipe's free space goes at once: the
@@ -34,6 +38,7 @@ import numpy as np
 
 from raycoll import errors
 from raycoll.native import core
+from raycoll.transport import sockpipes
 from raycoll.transport.base import CHECK_FIRST_S, CHECK_MAX_S, SpinBackoff, may_spin
 
 __all__ = ["PairPipes", "EAGER_BYTES", "RING_BYTES", "SPIN_S"]
@@ -107,8 +112,11 @@ class PairPipes:
     def __init__(self, *, group: str, rank: int, global_ranks: Sequence[int], secret: bytes,
                  check: Callable[[Sequence[int], float], None],
                  explain: Callable[[Sequence[int]], Optional[BaseException]],
-                 crowded: bool) -> None:
+                 crowded: bool, links: Any = None, remote: Sequence[int] = ()) -> None:
         self.group = group
+        #: the group's direct connections, and the group ranks on other nodes (socket pipes)
+        self._links = links
+        self._remote = frozenset(remote)
         self.rank = rank
         self.global_ranks = tuple(global_ranks)
         self._secret = secret
@@ -151,8 +159,16 @@ class PairPipes:
             if pipe is None:
                 side = 0 if self.rank < peer else 1
                 try:
-                    pipe = core.Pipe(self._name(peer), side, RING_BYTES, OPEN_WAIT_S)
+                    if peer in self._remote:
+                        pipe = sockpipes.open_sock_pipe(self._links, peer, OPEN_WAIT_S)
+                    else:
+                        pipe = core.Pipe(self._name(peer), side, RING_BYTES, OPEN_WAIT_S)
                 except OSError as exc:
+                    if peer in self._remote:
+                        raise self._explain([peer]) or errors.GroupBrokenError(
+                            f"point-to-point on group {self.group!r}: rank "
+                            f"{self.global_ranks[self.rank]} could not connect to rank "
+                            f"{self.global_ranks[peer]}: {exc}", group=self.group) from exc
                     raise errors.GroupBrokenError(
                         f"point-to-point on group {self.group!r}: rank "
                         f"{self.global_ranks[self.rank]} could not open its shared-memory pipe "
@@ -198,8 +214,11 @@ class PairPipes:
         me, them = self.global_ranks[self.rank], self.global_ranks[peer]
         ctx: Dict[str, Any] = {"group": self.group, "rank": me}
         error: BaseException
+        sock = sockpipes.sock_failure(status, what, me, them, self.group, self._explain, peer)
         if status == core.CHECK and exc is not None:
             error = exc
+        elif sock is not None:
+            error = sock
         elif status == core.DEAD:
             error = self._explain([peer]) or errors.RankFailedError(
                 f"{what}: rank {them}'s process died; the group is broken",
@@ -225,7 +244,8 @@ class PairPipes:
             error = errors.GroupBrokenError(
                 f"{what}: the shared-memory pipe between rank {me} and rank {them} failed "
                 f"(status {status}); the group is broken", **ctx)
-        if broke or status in (core.DEAD, core.ABORTED, core.CLOSED, core.GARBLED):
+        if broke or status in (core.DEAD, core.ABORTED, core.CLOSED, core.GARBLED,
+                               core.PEER_CLOSED, core.FOREIGN, core.IOERR):
             self._failed.setdefault(peer, error)
             with self._cv:
                 self._cv.notify_all()
@@ -307,7 +327,8 @@ class PairPipes:
         pipe = self._pipes.get(src)
         with self._cv:
             if (pipe is None or self._posted or self._stash or self._reading.get(src)
-                    or src in self._failed):
+                    or src in self._failed
+                    or (src in self._remote and not sockpipes.attach_in(self._links, src, pipe))):
                 return False
             self._reading[src] = True
         try:
@@ -406,6 +427,10 @@ class PairPipes:
         """Read ``src``'s pipe until ``posted`` is done (messages for other receives go to
         them, or are kept)."""
         pipe = self._pipe(src)
+        if src in self._remote:  # the peer's connection comes with its first send
+            sockpipes.await_in(self._links, src, pipe, deadline,
+                               lambda waited: self._check([src], waited),
+                               lambda: self._timed_out(f"{what} within {timeout_s:g}s", [src]))
         while self._take_turn(src, posted, deadline, timeout_s, what):
             try:
                 policy, check = self._wait(deadline, timeout_s, [src], what)
@@ -502,6 +527,8 @@ class PairPipes:
                     self._reading[s] = True
                 try:
                     pipe = self._pipe(s)
+                    if s in self._remote and not sockpipes.attach_in(self._links, s, pipe):
+                        continue  # nothing came from it yet
                     status, tag, nbytes, meta, broke, exc = pipe.peek(False, (0, 0, 0, 0), None)
                     if status == core.OK:
                         found = True

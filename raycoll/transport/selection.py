@@ -30,12 +30,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["GroupTransports", "pipes_possible"]
 
 
-def pipes_possible(ctx: "GroupContext") -> bool:
+def pipes_possible(ctx: "GroupContext", links: Optional[Links] = None) -> bool:
     """Whether group ``ctx``'s point-to-point runs on the native core's pair pipes: the core
-    is built and on (on every rank), 2+ ranks, all on this node, not ``transport="store"``,
-    and the group has a secret (the pipes' names carry it)."""
-    return (core is not None and ctx.native and ctx.size > 1 and ctx.single_node
-            and ctx.transport != "store" and ctx.secret is not None)
+    is built and on (on every rank), 2+ ranks, not ``transport="store"``, the group has a
+    secret (the pipes' names carry it), and its ranks are all on this node or it has direct
+    connections (``links``: socket pipes to the ranks on other nodes)."""
+    return (core is not None and ctx.native and ctx.size > 1 and ctx.transport != "store"
+            and ctx.secret is not None and (ctx.single_node or links is not None))
 
 
 class GroupTransports:
@@ -92,16 +93,20 @@ class GroupTransports:
 
     def mailbox(self) -> Optional[Union[Mailbox, PairPipes]]:
         """The group's point-to-point mailbox: the native core's pair pipes where every rank
-        is on this node and runs the core (:mod:`raycoll.transport.pipes`), else the one on
-        its direct connections, or ``None`` when it has neither (then point-to-point goes
-        through the coordinator)."""
-        if self._mailbox is None and pipes_possible(self.ctx):
+        runs the core (:mod:`raycoll.transport.pipes`: shared memory on this node, socket
+        pipes on the direct connections to other nodes), else the Python one on its direct
+        connections, or ``None`` when it has neither (then point-to-point goes through the
+        coordinator)."""
+        if self._mailbox is None and pipes_possible(self.ctx, self.links):
             ctx = self.ctx
             assert ctx.secret is not None  # (pipes_possible)
+            mine = ctx.node_ids[ctx.rank]
             self._mailbox = PairPipes(group=ctx.group_name, rank=ctx.rank,
                                       global_ranks=ctx.global_ranks, secret=ctx.secret,
                                       check=ctx.p2p_check, explain=self._p2p_explain,
-                                      crowded=oversubscribed(ctx.size))
+                                      crowded=oversubscribed(ctx.size), links=self.links,
+                                      remote=[j for j, node in enumerate(ctx.node_ids)
+                                              if node != mine])
         if self._mailbox is None and self.links is not None:
             ctx = self.ctx
             self._mailbox = Mailbox(self.links, group=ctx.group_name,
