@@ -62,20 +62,19 @@ def await_in(links: Any, peer: int, pipe: Any, deadline: float,
 
 def sock_failure(status: int, what: str, me: int, them: int, group: str,
                  explain: Callable[[Sequence[int]], Optional[BaseException]],
-                 peer: int, io_errno: int = 0) -> Optional[BaseException]:
+                 peer: int) -> Optional[BaseException]:
     """The error of a socket pipe's failed call with group rank ``peer`` (global ``them``),
     or ``None`` for a status a shared-memory pipe also returns."""
-    ctx = {"group": group, "rank": me}
     if status == core.PEER_CLOSED:
         return explain([peer]) or errors.RankFailedError(
             f"{what}: rank {them}'s connection closed (its process died); the group is broken",
-            failed_ranks=[them], **ctx)
+            failed_ranks=[them], group=group, rank=me)
     if status == core.FOREIGN:
         return errors.GroupBrokenError(
             f"{what}: rank {them} left the group (destroyed it) while rank {me} still needed "
-            "it; the group is broken", **ctx)
+            "it; the group is broken", group=group, rank=me)
     if status in (core.GARBLED, core.IOERR):
         return explain([peer]) or errors.GroupBrokenError(
             f"{what}: the connection between rank {me} and rank {them} failed (status "
-            f"{status}); the group is broken", **ctx)
+            f"{status}); the group is broken", group=group, rank=me)
     return None
