@@ -10,7 +10,8 @@ actors of one node: the default path where the core is built.
 - a peer killed while a rank waits in a receive fails that receive with ``RankFailedError``
   naming it, well within the call's timeout: no hang.
 
-Skipped where the native core is not built (the mailbox's tests cover that path).
+Skipped where the native core is not built (then point-to-point goes through the coordinator:
+test_transport.py).
 """
 
 from __future__ import annotations

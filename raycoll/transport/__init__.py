@@ -6,8 +6,9 @@
 - :mod:`raycoll.transport.cores`: whether a node's ranks fit its cores (whether waits spin);
 - :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes): collective rounds,
   built on :mod:`~raycoll.transport.frames` (the wire format), :mod:`~raycoll.transport.links`
-  (the listener and a group's connections) and :mod:`~raycoll.transport.mailbox` (point to
-  point);
+  (the listener and a group's connections);
+- :mod:`raycoll.transport.pipes` (point to point): pair pipes, shared memory on one node and
+  :mod:`~raycoll.transport.sockpipes` (native socket pipes) across nodes;
 - :mod:`raycoll.transport.selection`: which of them a group uses, and setting it up.
 
 A group picks its transport once, at its first collective, the same on every rank (group

@@ -19,8 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["FrameError", "PeerClosed", "PeerLeft", "BYE", "ABORT", "GOODBYES", "encode_round",
-           "decode_round", "decode_frame", "encode_raw", "Writer", "Reader", "Placer",
-           "fresh_buffers"]
+           "decode_round", "decode_frame", "Writer"]
 
 _FRAME_MAGIC = 0x5243
 #: magic, meta length, buffer count
@@ -117,13 +116,6 @@ def decode_frame(frame: Any) -> Any:
     return decode_round(meta, bufs)
 
 
-def encode_raw(meta: Any, data: memoryview) -> List[memoryview]:
-    """A frame of a pickled ``meta`` and one raw buffer."""
-    m = pickle.dumps(meta, protocol=5)
-    return [memoryview(_HDR.pack(_FRAME_MAGIC, len(m), 1)), memoryview(m),
-            memoryview(_LEN.pack(data.nbytes)), data]
-
-
 class Writer:
     """A frame being handed to a non-blocking socket."""
 
@@ -147,110 +139,3 @@ class Writer:
                     self.parts[0] = head[sent:]
                     sent = 0
         return True
-
-
-#: ``place(meta, lengths) -> destination buffers`` for a frame's raw buffers.
-Placer = Callable[[bytes, List[int]], List[memoryview]]
-
-
-class Reader:
-    """Frames read from a non-blocking socket: headers through a staging buffer (one
-    ``recv`` takes a small frame whole, and the start of the next), large buffers straight
-    into their destination."""
-
-    STAGE = 256 * 1024
-
-    def __init__(self) -> None:
-        self._stage = bytearray(self.STAGE)
-        self._view = memoryview(self._stage)
-        self._lo = self._hi = 0  # staged bytes not yet consumed
-        self._reset()
-
-    def _reset(self) -> None:
-        self._step = 0
-        self._meta = b""
-        self._lens: List[int] = []
-        self._bufs: List[memoryview] = []
-        self._i = 0
-        self._got = 0
-
-    @property
-    def busy(self) -> bool:
-        """Whether a frame is partly read."""
-        return self._step > 0 or self._hi > self._lo
-
-    def _recv(self, sock: socket.socket, into: memoryview) -> int:
-        try:
-            k = sock.recv_into(into)
-        except (BlockingIOError, InterruptedError):
-            return -1
-        if k == 0:
-            raise PeerClosed("the peer closed the connection"
-                             + (" in the middle of a message" if self.busy else ""))
-        return k
-
-    def _staged(self, sock: socket.socket, n: int) -> Optional[memoryview]:
-        """``n`` staged bytes (consumed), reading more if needed; ``None`` if not there yet."""
-        while self._hi - self._lo < n:
-            if len(self._stage) - self._lo < n:  # compact, or grow for a large header
-                rest = bytes(self._view[self._lo:self._hi])
-                if len(self._stage) < n:
-                    self._stage = bytearray(max(n, 2 * len(self._stage)))
-                    self._view = memoryview(self._stage)
-                self._view[:len(rest)] = rest
-                self._lo, self._hi = 0, len(rest)
-            k = self._recv(sock, self._view[self._hi:])
-            if k < 0:
-                return None
-            self._hi += k
-        out = self._view[self._lo:self._lo + n]
-        self._lo += n
-        if self._lo == self._hi:
-            self._lo = self._hi = 0
-        return out
-
-    def pull(self, sock: socket.socket, place: Placer) -> Optional[Tuple[bytes, List[Any]]]:
-        """Read what has come; ``(meta, buffers)`` once a frame is complete."""
-        if self._step == 0:
-            head = self._staged(sock, _HDR.size)
-            if head is None:
-                return None
-            magic, meta_len, nbufs = _HDR.unpack(head)
-            if magic != _FRAME_MAGIC or meta_len > _MAX_META or nbufs > _MAX_BUFS:
-                raise FrameError(f"garbled frame (magic {magic:#x}, meta {meta_len} B, "
-                                 f"{nbufs} buffers)")
-            self._step, self._need = 1, (meta_len, nbufs)
-        if self._step == 1:
-            meta_len, nbufs = self._need
-            raw = self._staged(sock, meta_len + _LEN.size * nbufs)
-            if raw is None:
-                return None
-            self._meta = bytes(raw[:meta_len])
-            self._lens = [_LEN.unpack_from(raw, meta_len + _LEN.size * i)[0]
-                          for i in range(nbufs)]
-            self._bufs = place(self._meta, self._lens)
-            if [b.nbytes for b in self._bufs] != self._lens:
-                raise FrameError("a frame's buffers do not match their lengths")
-            self._step, self._i, self._got = 2, 0, 0
-        while self._i < len(self._bufs):
-            buf = self._bufs[self._i]
-            if self._got == 0 and self._hi > self._lo:  # staged bytes first
-                k = min(buf.nbytes, self._hi - self._lo)
-                buf[:k] = self._view[self._lo:self._lo + k]
-                self._lo += k
-                if self._lo == self._hi:
-                    self._lo = self._hi = 0
-                self._got = k
-            while self._got < buf.nbytes:
-                k = self._recv(sock, buf[self._got:])
-                if k < 0:
-                    return None
-                self._got += k
-            self._i, self._got = self._i + 1, 0
-        out = (self._meta, self._bufs)
-        self._reset()
-        return out
-
-
-def fresh_buffers(_meta: bytes, lens: List[int]) -> List[memoryview]:
-    return [np.empty(n, dtype=np.uint8).data for n in lens]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["listen_address", "listener", "tcp_possible", "Links", "Out", "peer_failure",
-           "send_all", "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S", "CLOSED_GRACE_S"]
+           "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S", "CLOSED_GRACE_S"]
 
 IFNAME_ENV = "RAYCOLL_SOCKET_IFNAME"
 #: ``RAYCOLL_UNIX_SOCKETS=0``: peers on one node connect over TCP too.
@@ -524,18 +524,3 @@ def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Opt
     return errors.GroupBrokenError(
         f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
         "the group is broken", **ctx)
-
-
-def send_all(links: Links, out: Out, writer: Writer, deadline: float,
-             check: Callable[[], None]) -> None:
-    """Push ``writer`` to ``out`` until done; ``check()`` every so often; ``TimeoutError``
-    at ``deadline``."""
-    next_check = time.monotonic() + 0.5
-    while not writer.push(out.sock):
-        now = time.monotonic()
-        if now > deadline:
-            raise TimeoutError
-        if now > next_check:
-            check()
-            next_check = now + 0.5
-        links.wait([], [out.sock], min(0.1, deadline - now))

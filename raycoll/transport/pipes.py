@@ -73,7 +73,7 @@ def encode_meta(meta: Meta) -> bytes:
 
 
 def describe_meta(meta: bytes) -> str:
-    """``dtype=..., shape=(...)`` of an encoded meta (as the mailbox's errors say it)."""
+    """``dtype=..., shape=(...)`` of an encoded meta (as the errors say it)."""
     dtype, _, shape = meta.decode(errors="replace").partition("|")
     if shape.startswith("#"):
         return f"dtype={dtype}, shape=<a shape of hash {shape[1:9]}>"
@@ -106,8 +106,8 @@ class _Out:
 
 
 class PairPipes:
-    """Point-to-point messages of one group on this rank over pair pipes (module docstring);
-    the same interface as :class:`raycoll.transport.mailbox.Mailbox`."""
+    """Point-to-point messages of one group on this rank over pair pipes (module
+    docstring)."""
 
     def __init__(self, *, group: str, rank: int, global_ranks: Sequence[int], secret: bytes,
                  check: Callable[[Sequence[int], float], None],

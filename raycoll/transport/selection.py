@@ -5,7 +5,8 @@ same on every rank from what they all know (the group option ``transport``, the 
 and addresses): the node segment (all ranks on this node and the native core on every rank;
 set up through the coordinator in that collective), direct connections (ranks on several
 nodes, more ranks on one node than the segment takes, or ``transport="tcp"``), or none (then
-collectives go through the coordinator and the object store). The group's direct connections also carry its point-to-point messages.
+collectives go through the coordinator and the object store). The group's direct connections
+also carry its point-to-point messages to other nodes (socket pipes).
 
 :class:`GroupTransports` is what a group's :class:`~raycoll.context.GroupContext` is given
 (as its ``transports``) by the layer that forms the group, so that the context, below every
@@ -21,8 +22,7 @@ from raycoll.transport import segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.cores import oversubscribed
 from raycoll.transport.pipes import PairPipes
-from raycoll.transport.tcp import (CLOSED_GRACE_S, P2P_SPIN_S, Links, Mailbox, TcpTransport,
-                                   tcp_possible)
+from raycoll.transport.tcp import CLOSED_GRACE_S, Links, TcpTransport, tcp_possible
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -48,7 +48,7 @@ class GroupTransports:
         self.ctx = ctx
         #: the group's direct connections, or ``None`` when it has none
         self.links: Optional[Links] = None
-        self._mailbox: Optional[Union[Mailbox, PairPipes]] = None
+        self._mailbox: Optional[PairPipes] = None
         self._planned: Optional[str] = None
         if ctx.transport != "store" and ctx.size > 1:
             if ctx.secret is not None and tcp_possible(ctx):
@@ -91,12 +91,11 @@ class GroupTransports:
         ctx.skip_setup_step(call)
         return TcpTransport(ctx, self.links) if self.links is not None else False
 
-    def mailbox(self) -> Optional[Union[Mailbox, PairPipes]]:
+    def mailbox(self) -> Optional[PairPipes]:
         """The group's point-to-point mailbox: the native core's pair pipes where every rank
         runs the core (:mod:`raycoll.transport.pipes`: shared memory on this node, socket
-        pipes on the direct connections to other nodes), else the Python one on its direct
-        connections, or ``None`` when it has neither (then point-to-point goes through the
-        coordinator)."""
+        pipes on the direct connections to other nodes), or ``None`` (no native core, or
+        ``transport="store"``: then point-to-point goes through the coordinator)."""
         if self._mailbox is None and pipes_possible(self.ctx, self.links):
             ctx = self.ctx
             assert ctx.secret is not None  # (pipes_possible)
@@ -107,12 +106,6 @@ class GroupTransports:
                                       crowded=oversubscribed(ctx.size), links=self.links,
                                       remote=[j for j, node in enumerate(ctx.node_ids)
                                               if node != mine])
-        if self._mailbox is None and self.links is not None:
-            ctx = self.ctx
-            self._mailbox = Mailbox(self.links, group=ctx.group_name,
-                                    global_ranks=ctx.global_ranks, check=ctx.p2p_check,
-                                    explain=self._p2p_explain,
-                                    spin_s=0.0 if oversubscribed(ctx.size) else P2P_SPIN_S)
         return self._mailbox
 
     def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:

@@ -19,15 +19,16 @@ round trip and more bandwidth across nodes than a compiled-graph channel or a cr
   turns it off), TCP between nodes: the sender connects; the receiver's listener hands the
   accepted socket to the group. ``"ncoll"`` connections carry the native executor's
   collective messages (:mod:`raycoll.transport.native_tcp`, strictly in the group's
-  collective order); ``"p2p"`` connections carry point-to-point messages (:class:`Mailbox`).
+  collective order); ``"p2p"`` connections carry point-to-point messages to ranks on other nodes (the native
+  socket pipes of :mod:`raycoll.transport.sockpipes`).
   TCP_NODELAY on all.
 - **Failures.** A peer's process that dies closes its sockets: the survivors' reads end,
   and the coordinator (which learns of the death from the rank's lease) names the rank
   (``RankFailedError``). Destroying a group closes its sockets.
 
-The modules: :mod:`raycoll.transport.frames` (the wire format of point-to-point messages),
+The modules: :mod:`raycoll.transport.frames` (the frames of rounds and goodbyes),
 :mod:`raycoll.transport.links` (addresses, the listener, the hello, a group's connections),
-:mod:`raycoll.transport.mailbox` (point to point), :mod:`raycoll.transport.native_tcp` (the
+:mod:`raycoll.transport.native_tcp` (the
 native executor's runs) and this one (:class:`TcpTransport`, what a group's collectives on
 sockets hold: the links, the native runs, the coordinator's checks and the counters); the
 names other modules use are importable from here.
@@ -48,14 +49,13 @@ from raycoll.transport.links import (
     listener,
     tcp_possible,
 )
-from raycoll.transport.mailbox import P2P_SPIN_S, Mailbox
 from raycoll.transport.native_tcp import NativeSockets
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["listen_address", "listener", "tcp_possible", "Links", "TcpTransport", "Mailbox",
-           "IFNAME_ENV", "CLOSED_GRACE_S", "P2P_SPIN_S"]
+__all__ = ["listen_address", "listener", "tcp_possible", "Links", "TcpTransport", 
+           "IFNAME_ENV", "CLOSED_GRACE_S"]
 
 
 class TcpTransport(RoundTransport):
