@@ -10,7 +10,8 @@ different nodes, so both kinds of pipe keep one set of semantics.
   of a large message; the pair goes on after it;
 - the short path of blocking calls keeps torch's matching and argument checks;
 - a peer killed while a rank waits in a receive fails it with a named error, well within the
-  group's timeout; a receive nobody sends to times out with ``DistTimeoutError``.
+  group's timeout; a receive nobody sends to times out with ``DistTimeoutError``; a group
+  destroyed on one rank ends the other node's waiting receive ("left the group").
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ import numpy as np
 import pytest
 import ray
 
-from test_p2p_native import _mismatch, _short_path_edges, _traffic, _wait_then_recv
+import test_p2p_native
+from test_p2p_native import (_destroy_while_waiting, _mismatch, _short_path_edges, _traffic,
+                             _wait_then_recv)
 
 import raycoll
 from raycoll.launch import RankWorker, run_on
 from raycoll.native import native_available, native_status
 from raycoll.world import world
+
+# the one-node tests' rank functions run here too: ship them by value (test modules are not
+# importable in Ray's workers; conftest registers only the modules collected)
+ray.cloudpickle.register_pickle_by_value(test_p2p_native)
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not native_available(), reason=f"native core: {native_status()}")]
@@ -175,3 +182,21 @@ def test_a_killed_peer_and_a_timeout_across_nodes_end_the_receive_with_named_err
             raycoll.destroy_group(group)
         for a in team:
             ray.kill(a, no_restart=True)
+
+
+@pytest.mark.timeout(240)
+def test_destroying_the_group_ends_a_receive_waiting_on_the_other_node(two_nodes):
+    team = _actors([0, 1])
+    name = f"p2pdestroy-{uuid.uuid4().hex[:6]}"
+    try:
+        raycoll.create_group(team, group_name=name, timeout=120)
+        got = ray.get([a.run.remote(_destroy_while_waiting, r, (name,), {})
+                       for r, a in enumerate(team)], timeout=180)
+    finally:
+        raycoll.destroy_group(name)
+        for a in team:
+            ray.kill(a, no_restart=True)
+    for rank, out in enumerate(got):
+        assert out["type"] in ("GroupDestroyedError", "GroupBrokenError"), (rank, out)
+        assert out["took"] < 60, (rank, out)  # not the group's timeout (120 s): no hang
+    assert "left the group" in got[1]["msg"], got[1]
