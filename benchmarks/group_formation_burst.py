@@ -206,16 +206,22 @@ def main() -> None:
     call: List[float] = []
     gloo_one: List[float] = []
     gloo_bulk: List[float] = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         one.append(_bulk(many, 1))
-        warm.append(_bulk(many, args.bulk))
-        call.append(_bulk_call(many, args.bulk))
+        if repeat % 2 == 0:  # threads and one call alternate which goes first
+            warm.append(_bulk(many, args.bulk))
+            call.append(_bulk_call(many, args.bulk))
+        else:
+            call.append(_bulk_call(many, args.bulk))
+            warm.append(_bulk(many, args.bulk))
         gloo_one.append(_gloo(many)["form"])
         gloo_bulk.append(_gloo(many, args.bulk)["form"])
     print(f"bulk, {args.repeats} repeats, medians (ms):")
     print(f"  raycoll one group {_ms(one)}, {args.bulk} at once (warm) {_ms(warm)}: "
           f"{statistics.median(warm) / statistics.median(one):.2f}x one group; one "
           f"create_groups call {_ms(call)}: {statistics.median(call) / statistics.median(one):.2f}x")
+    print(f"  every repeat (ms): one group {[round(t * 1e3) for t in one]}, threads "
+          f"{[round(t * 1e3) for t in warm]}, create_groups {[round(t * 1e3) for t in call]}")
     print(f"  gloo world alone {_ms(gloo_one)}, world + {args.bulk} new_group {_ms(gloo_bulk)}: "
           f"{statistics.median(gloo_bulk) / statistics.median(gloo_one):.2f}x")
     print(f"  {args.bulk} groups, gloo / raycoll: "
