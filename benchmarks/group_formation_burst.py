@@ -22,7 +22,8 @@ imported) before anything is timed; times from the driver (``time.perf_counter``
   coordinator idle (the first bulk of a session starts the others); warm: after a bulk was
   destroyed (its coordinators recycled). gloo: one world ``init_process_group`` over the
   actors then ``--bulk`` ``new_group`` calls (torch's way to many groups over the same
-  processes), against its world alone.
+  processes), against its world alone. Also: the same ``--bulk`` groups formed by one
+  ``raycoll.create_groups`` call (every actor joins them all in one call), warm.
 
 Ratios: gloo / raycoll for back to back (above 1: raycoll faster); bulk / one group for
 raycoll (the target: at most 2).
@@ -132,6 +133,18 @@ def _bulk(actors: List[Any], count: int) -> float:
     return took
 
 
+def _bulk_call(actors: List[Any], count: int) -> float:
+    """``count`` groups over ``actors`` formed by one ``create_groups`` call; destroyed after
+    the timing."""
+    names = [f"bulk-{uuid.uuid4().hex[:6]}" for _ in range(count)]
+    start = time.perf_counter()
+    raycoll.create_groups(actors, names, timeout=120)
+    took = time.perf_counter() - start
+    for name in names:
+        raycoll.destroy_group(name)
+    return took
+
+
 def _ms(values: List[float]) -> str:
     return f"{statistics.median(values) * 1e3:8.1f}"
 
@@ -190,16 +203,25 @@ def main() -> None:
           f"idle): {cold * 1e3:.1f} ms; coordinators: {spare.counts()}")
     one: List[float] = []
     warm: List[float] = []
+    call: List[float] = []
     gloo_one: List[float] = []
     gloo_bulk: List[float] = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         one.append(_bulk(many, 1))
-        warm.append(_bulk(many, args.bulk))
+        if repeat % 2 == 0:  # threads and one call alternate which goes first
+            warm.append(_bulk(many, args.bulk))
+            call.append(_bulk_call(many, args.bulk))
+        else:
+            call.append(_bulk_call(many, args.bulk))
+            warm.append(_bulk(many, args.bulk))
         gloo_one.append(_gloo(many)["form"])
         gloo_bulk.append(_gloo(many, args.bulk)["form"])
     print(f"bulk, {args.repeats} repeats, medians (ms):")
     print(f"  raycoll one group {_ms(one)}, {args.bulk} at once (warm) {_ms(warm)}: "
-          f"{statistics.median(warm) / statistics.median(one):.2f}x one group")
+          f"{statistics.median(warm) / statistics.median(one):.2f}x one group; one "
+          f"create_groups call {_ms(call)}: {statistics.median(call) / statistics.median(one):.2f}x")
+    print(f"  every repeat (ms): one group {[round(t * 1e3) for t in one]}, threads "
+          f"{[round(t * 1e3) for t in warm]}, create_groups {[round(t * 1e3) for t in call]}")
     print(f"  gloo world alone {_ms(gloo_one)}, world + {args.bulk} new_group {_ms(gloo_bulk)}: "
           f"{statistics.median(gloo_bulk) / statistics.median(gloo_one):.2f}x")
     print(f"  {args.bulk} groups, gloo / raycoll: "

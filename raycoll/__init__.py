@@ -91,6 +91,7 @@ from raycoll.world import GroupMember
 from raycoll.world import group as _world_group
 from raycoll.join import Join, JoinHook, Joinable
 from raycoll.launch import create_group, destroy_group, spawn
+from raycoll.bulk import create_groups
 from raycoll.elastic import SHRINK_ABORT, SHRINK_DEFAULT, admit_new_ranks, grow_group
 from raycoll.state_transfer import broadcast_state_dict
 from raycoll.status import group_status
@@ -167,7 +168,7 @@ __all__ = [
     # uneven inputs
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
-    "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
+    "create_group", "create_groups", "destroy_group", "spawn", "group_status", "GroupOptions",
     # elastic groups
     "SHRINK_DEFAULT", "SHRINK_ABORT", "grow_group", "admit_new_ranks", "broadcast_state_dict",
     # errors

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import ray
 
 from raycoll import errors
-from raycoll.coordinator.client import CoordinatorClient
+from raycoll.coordinator.client import CoordinatorClient, unpack_handle
 from raycoll.options import GroupOptions, OptionsLike, or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 
@@ -152,7 +152,10 @@ class GroupContext:
         self.global_ranks = tuple(global_ranks)
         self.size = len(self.global_ranks)
         self.node_ids = tuple(node_ids)
-        self.actors = tuple(actors) if actors is not None else (None,) * self.size
+        #: each rank's actor handle as the roster has it: packed (bytes, read on first use
+        #: by :attr:`actors`: a formation reads none), a handle, or ``None``
+        self._actors: Tuple[Any, ...] = (tuple(actors) if actors is not None
+                                         else (None,) * self.size)
         self.client = client
         self.timeout_s = timeout_s
         self.options = GroupOptions.of(options)
@@ -178,6 +181,14 @@ class GroupContext:
         #: name -> algorithm, for ``group_status``
         self.algorithms: Dict[str, str] = {}
         self._transports = transports(self) if transports is not None else None
+
+    @property
+    def actors(self) -> Tuple[Any, ...]:
+        """Each rank's actor handle (``None`` for a rank that is no actor), unpacked here on
+        first use (:func:`raycoll.coordinator.client.unpack_handle`)."""
+        if any(isinstance(a, bytes) for a in self._actors):
+            self._actors = tuple(unpack_handle(a) for a in self._actors)
+        return self._actors
 
     @property
     def single_node(self) -> bool:

@@ -30,7 +30,7 @@ from ray.actor import ActorHandle
 from raycoll import elastic_links, errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, coordinator_name, rank_info, spare
-from raycoll.coordinator.client import GRACE_S
+from raycoll.coordinator.client import GRACE_S, unpack_handle
 from raycoll.launch import DRIVER_GROUPS
 from raycoll.options import GroupOptions
 from raycoll.process_group import GroupSpec, ProcessGroup
@@ -214,8 +214,8 @@ def _drop_generation(actor_self: Any, name: str, generation: int) -> None:
 def _tell_excluded(actor: Any, name: str, generation: int) -> None:
     if actor is None:
         return
-    try:
-        actor.__ray_call__.remote(_drop_generation, name, generation)
+    try:  # (the roster keeps handles packed: raycoll.world.install_root_group)
+        unpack_handle(actor).__ray_call__.remote(_drop_generation, name, generation)
     except Exception:  # noqa: BLE001 - a dead actor's handle may refuse the call
         logger.debug("raycoll: could not tell an excluded rank of %r", name, exc_info=True)
 

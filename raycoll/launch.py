@@ -86,16 +86,8 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     Ray not initialized) raise :class:`~raycoll.errors.RaySessionError`; a dead actor
     :class:`~raycoll.errors.RankFailedError`.
     """
-    if not isinstance(actors, (list, tuple)) or not actors:
-        raise ValueError("actors must be a non-empty list of Ray actor handles")
-    for i, actor in enumerate(actors):
-        if not isinstance(actor, ActorHandle):
-            raise TypeError(f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}")
-    ids = [a._actor_id for a in actors]
-    if len(set(ids)) != len(ids):
-        raise ValueError("actors must be distinct: the same actor appears twice")
-    if not isinstance(group_name, str) or not group_name or "/" in group_name:
-        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
+    _check_actors(actors)
+    _check_name(group_name)
     backend_config(backend)  # reject a bad backend string before starting anything
     group_options = GroupOptions.of(options)
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
@@ -123,6 +115,23 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
         raise
     DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors), coordinator), now)
     spare.refill(now)  # the next group's coordinator, started while this one is used
+
+
+def _check_actors(actors: Sequence[ActorHandle]) -> None:
+    """Refuse anything but a non-empty list of distinct actor handles."""
+    if not isinstance(actors, (list, tuple)) or not actors:
+        raise ValueError("actors must be a non-empty list of Ray actor handles")
+    for i, actor in enumerate(actors):
+        if not isinstance(actor, ActorHandle):
+            raise TypeError(f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}")
+    ids = [a._actor_id for a in actors]
+    if len(set(ids)) != len(ids):
+        raise ValueError("actors must be distinct: the same actor appears twice")
+
+
+def _check_name(group_name: Any) -> None:
+    if not isinstance(group_name, str) or not group_name or "/" in group_name:
+        raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
 
 
 def _submit(actor: ActorHandle, rank: int, group_name: str, fn: Callable[..., Any],

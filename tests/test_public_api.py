@@ -45,7 +45,7 @@ EXPECTED = [
     # uneven inputs
     "Join", "Joinable", "JoinHook", "GradientAverager",
     # driver side
-    "create_group", "destroy_group", "spawn", "group_status", "GroupOptions",
+    "create_group", "create_groups", "destroy_group", "spawn", "group_status", "GroupOptions",
     # elastic groups
     "SHRINK_DEFAULT", "SHRINK_ABORT", "grow_group", "admit_new_ranks", "broadcast_state_dict",
     # errors

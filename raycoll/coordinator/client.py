@@ -96,11 +96,18 @@ class CoordinatorClient:
         """Join the group as ``rank`` (``info``: see :func:`rank_info`); waits up to
         ``timeout_s`` for every rank. Returns ``{"members", "generation", "secret"}``. The
         rank's lease (see :meth:`hold_lease`) is taken with the call: held once formed."""
+        return self.wait(self.start_rendezvous(rank, world_size, info, timeout_s), timeout_s,
+                         group=self.group_name, rank=rank, op="rendezvous")
+
+    def start_rendezvous(self, rank: int, world_size: int, info: Dict[str, Any],
+                         timeout_s: float) -> "ray.ObjectRef":
+        """:meth:`rendezvous` without the wait: the reference of its answer (a rank joining
+        several groups at once sends every group's call, then waits for them)."""
         token = os.urandom(12).hex()  # this join's lease, taken now, handed over with the call
         self.lease = self.handle.lease.remote(rank, -1, token)
         ref: "ray.ObjectRef" = self.handle.rendezvous.remote(rank, world_size, info, timeout_s,
                                                              self.group_name, [self.lease], token)
-        return self.wait(ref, timeout_s, group=self.group_name, rank=rank, op="rendezvous")
+        return ref
 
     def hold_lease(self, rank: int, generation: int) -> None:
         """Hold this rank's lease on the coordinator (see :mod:`raycoll.coordinator.liveness`):

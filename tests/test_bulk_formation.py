@@ -1,0 +1,111 @@
+"""Several root groups formed at once over the same actors (``raycoll.create_groups``): each
+group works and fails on its own, its coordinator its own; all or none form."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+from raycoll import errors, session
+from raycoll.launch import DRIVER_GROUPS, RankWorker, _abort
+
+
+def _sum(rank: int, name: str, scale: float) -> float:
+    x = np.full(3, (rank + 1.0) * scale)
+    raycoll.all_reduce(x, group=name)
+    return float(x[0])
+
+
+def _sums(actors: List[Any], name: str, scale: float = 1.0) -> List[float]:
+    return ray.get([a.run.remote(_sum, r, (name, scale), {}) for r, a in enumerate(actors)],
+                   timeout=60)
+
+
+def _names(count: int) -> List[str]:
+    return [f"bk{i}-{uuid.uuid4().hex[:6]}" for i in range(count)]
+
+
+@pytest.fixture()
+def team(ray_local):
+    """Three zero-CPU sync actors (one method at a time: one join call each takes them all)."""
+    actors = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(3)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.timeout(120)
+def test_groups_formed_at_once_each_work_with_a_coordinator_of_their_own(team):
+    names = _names(3)
+    raycoll.create_groups(team, names, timeout=60)
+    try:
+        coordinators = {DRIVER_GROUPS.get(n, session.current()).spec.coordinator._actor_id
+                        for n in names}
+        assert len(coordinators) == 3, "groups formed at once share a coordinator"
+        for i, name in enumerate(names):  # each group reduces its own values
+            assert _sums(team, name, scale=i + 1.0) == [6.0 * (i + 1)] * 3
+        raycoll.destroy_group(names[0])  # one destroyed: the others go on, its name reforms
+        assert _sums(team, names[1]) == [6.0] * 3
+        raycoll.create_group(team[:2], group_name=names[0])
+        assert _sums(team[:2], names[0]) == [3.0, 3.0]
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_one_group_s_failure_does_not_touch_the_others(team):
+    names = _names(2)
+    raycoll.create_groups(team, names, timeout=60)
+    try:
+        _abort(names[0], "the test aborts it")
+        with pytest.raises(errors.RaycollError):
+            _sums(team, names[0])
+        assert _sums(team, names[1], scale=2.0) == [12.0] * 3
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_all_or_none_a_taken_name_keeps_no_group(team):
+    taken, *fresh = _names(3)
+    raycoll.create_group(team[:1], group_name=taken)
+    try:
+        with pytest.raises(ValueError, match=taken):
+            raycoll.create_groups(team, fresh + [taken], timeout=60)
+        assert [DRIVER_GROUPS.get(n, session.current()) for n in fresh] == [None, None]
+        raycoll.create_groups(team, fresh, timeout=60)  # the names were freed
+        assert _sums(team, fresh[1]) == [6.0] * 3
+    finally:
+        for name in [taken] + fresh:
+            try:
+                raycoll.destroy_group(name)
+            except errors.GroupNotFoundError:
+                pass
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_actor_fails_every_group_and_keeps_none(team):
+    names = _names(2)
+    ray.kill(team[2], no_restart=True)
+    with pytest.raises(errors.RankFailedError) as info:
+        raycoll.create_groups(team, names, timeout=30)
+    assert list(info.value.failed_ranks) == [2]
+    assert [DRIVER_GROUPS.get(n, session.current()) for n in names] == [None, None]
+
+
+def test_bad_arguments_are_refused_before_anything_starts(team):
+    with pytest.raises(ValueError, match="group_names"):
+        raycoll.create_groups(team, [])
+    with pytest.raises(ValueError, match="distinct"):
+        raycoll.create_groups(team, ["a", "a"])
+    with pytest.raises(ValueError, match="group_name"):
+        raycoll.create_groups(team, ["ok", "b/c"])
+    with pytest.raises(TypeError, match=r"actors\[0\]"):
+        raycoll.create_groups(["x"], ["a"])
