@@ -275,3 +275,47 @@ def test_a_killed_rank_fails_every_survivor_within_seconds(two_nodes, killed):
         raycoll.destroy_group("node-seg-kill")
         for a in actors:
             ray.kill(a)
+
+
+def _stall_then_reduce(rank, stalled, head, seconds):
+    """An all_reduce on the hierarchical plan (the path set up by a first one); rank
+    ``stalled`` sleeps ``seconds`` before the second, the ranks but it and ``head`` 1.5 s
+    (so that ``head``'s wait times out first): every rank's error, as a dict."""
+    x = np.ones(8)
+    raycoll.all_reduce(x)
+    raycoll.barrier()
+    if rank == stalled:
+        time.sleep(seconds)
+    elif rank != head:
+        time.sleep(1.5)
+    try:
+        raycoll.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "msg": str(exc),
+                "missing": list(getattr(exc, "missing", None) or ())}
+    return {"type": None}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stalled,head", [(1, 2), (3, 0)], ids=["node-mate", "other-node"])
+def test_a_timeout_names_the_stalled_rank_on_every_rank(two_nodes, stalled, head):
+    """2 + 2 ranks, rank ``stalled`` late past the timeout. Rank ``head``, whose wait times
+    out first, waits on a rank that itself waits for the stalled one (rank 2's socket step
+    on rank 0, which waits at its segment step for rank 1; rank 0's socket step on rank 2,
+    which waits at its segment step for rank 3): it names the stalled rank, not the rank it
+    waited on; so does every rank's error (the group breaks with it), the stalled rank's own
+    included."""
+    actors = _actors("2+2")
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
+    name = f"node-seg-stall-{stalled}"
+    raycoll.create_group(actors, group_name=name, timeout=5.0)  # the calls' timeout too
+    try:
+        got = ray.get([a.run.remote(_stall_then_reduce, r, (stalled, head, 10.0), {})
+                       for r, a in enumerate(actors)], timeout=120)
+    finally:
+        raycoll.destroy_group(name)
+        for a in actors:
+            ray.kill(a)
+    for rank, res in enumerate(got):
+        assert res["type"] == "DistTimeoutError", (rank, res)
+        assert f"ranks [{stalled}] never arrived" in res["msg"], (rank, res["msg"])
