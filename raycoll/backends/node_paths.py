@@ -79,56 +79,48 @@ class NodePaths:
                 return None
         return plane
 
-    def _node_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call) -> bool:
-        """all_reduce of ``arr`` with ``op`` as one hierarchical plan."""
-        if self.ctx.size < 3 or not _reduces(arr, op):
-            return False
-        plane = self._node_plane(call, "all_reduce", arr.nbytes, arr.itemsize)
-        if plane is None:
-            return False
-        native = plane.native
-        with flat_out(arr) as flat:
-            codes = native.codes(flat, op)
-            node: NodeSegment = self._node
-            finish = op.name in ("AVG", "PREMUL_SUM")
-            plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish)
-            self._node_run(plane, call, plan, flat, (), codes, op)
-        return True
+    def _reduce_plane(self, call: Call, collective: str, out: np.ndarray, nbytes: int,
+                      op: ReduceOp) -> Any:
+        """:meth:`_node_plane` for a reducing ``collective`` into ``out`` (``nbytes`` a
+        rank): ``None`` also on fewer than 3 ranks or where the core does not reduce
+        ``out``'s dtype with ``op``."""
+        if self.ctx.size < 3 or not _reduces(out, op):
+            return None
+        return self._node_plane(call, collective, nbytes, out.itemsize)
 
-    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
-        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan (on a copy on
-        the other ranks: their buffers stay as they were)."""
-        if self.ctx.size < 3 or not _reduces(arr, op):
-            return False
-        plane = self._node_plane(call, "reduce", arr.nbytes, arr.itemsize)
+    def _node_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call,
+                         dst: Optional[int] = None) -> bool:
+        """all_reduce of ``arr`` with ``op`` as one hierarchical plan; a reduce into ``dst``
+        is the same plan (on a copy on the other ranks: their buffers stay as they were)."""
+        plane = self._reduce_plane(call, "all_reduce" if dst is None else "reduce", arr,
+                                   arr.nbytes, op)
         if plane is None:
             return False
         node: NodeSegment = self._node
-        finish = op.name in ("AVG", "PREMUL_SUM")
-        with flat_out(arr) if self.ctx.rank == dst else _copy(arr) as flat:
+        with flat_out(arr) if dst is None or self.ctx.rank == dst else _copy(arr) as flat:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish)
+                                         self.ctx.rank, node.half, _finishes(op))
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
         return True
+
+    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
+        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan."""
+        return self._node_all_reduce(arr, op, call, dst)
 
     def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
                              call: Call) -> bool:
         """reduce_scatter of ``whole`` (one piece a rank) into ``out`` as one node-aware
         plan."""
-        size = self.ctx.size
-        if size < 3 or whole.size != out.size * size or whole.dtype != out.dtype \
-                or not _reduces(out, op):
+        if whole.size != out.size * self.ctx.size or whole.dtype != out.dtype:
             return False
-        plane = self._node_plane(call, "reduce_scatter", whole.nbytes, whole.itemsize)
+        plane = self._reduce_plane(call, "reduce_scatter", out, whole.nbytes, op)
         if plane is None:
             return False
         node: NodeSegment = self._node
-        finish = op.name in ("AVG", "PREMUL_SUM")
         src = flat_in(whole)
         with flat_out(out) as flat:
             plan = node_plans.reduce_scatter(flat.size, flat.itemsize, self.ctx.node_ids,
-                                             self.ctx.rank, node.half, finish)
+                                             self.ctx.rank, node.half, _finishes(op))
             self._node_run(plane, call, plan, src, (flat,), plane.native.codes(flat, op), op)
         return True
 
@@ -181,6 +173,11 @@ class NodePaths:
             self._node.close()
         self._node = False
         super().close()  # type: ignore[misc]
+
+
+def _finishes(op: ReduceOp) -> bool:
+    """Whether ``op`` has a final step after the sums (AVG's division, PREMUL_SUM's factor)."""
+    return op.name in ("AVG", "PREMUL_SUM")
 
 
 def _reduces(arr: np.ndarray, op: ReduceOp) -> bool:
