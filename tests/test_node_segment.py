@@ -181,7 +181,7 @@ def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, la
             gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
             wants += [(gathered, True), (gathered, True)]
         assert len(got) == len(wants)
-        assert sum(hier for _, hier in wants) >= len(wants) - 3, wants  # (the plans tested)
+        assert sum(hier for _, hier in wants) >= len(wants) * 3 // 4, wants  # (plans tested)
         for i, ((x, algo), (want, hier)) in enumerate(zip(got, wants)):
             assert (algo == "node_hierarchical") == hier, (layout, rank, i, algo)
             if want.dtype.kind == "f" and want.dtype.itemsize == 8:  # (AVG's sums' order)
