@@ -39,11 +39,9 @@ from raycoll.transport.segment import _half_bytes
 
 __all__ = ["NodePaths", "NODE_ALGORITHM", "NODE_BROADCAST_BYTES"]
 
-#: The algorithm's name in ``last_route`` and ``group_status``.
+#: The algorithm's name in ``last_route`` and ``group_status`` (``NODE_BROADCAST_BYTES``:
+#: the planner's, :mod:`raycoll.algorithms.planner` says why).
 NODE_ALGORITHM = NODE_PLAN
-#: A broadcast smaller than this keeps the socket schedule (the planner's:
-#: :mod:`raycoll.algorithms.planner` says why).
-NODE_BROADCAST_BYTES = NODE_BROADCAST_BYTES
 
 
 class NodePaths:
