@@ -56,6 +56,9 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                             world_size=world)
     out: Dict[str, Any] = {}
     try:
+        from raycoll.groups import get_group
+
+        algos: List[str] = []
         for nbytes in sizes:
             n = max(1, nbytes // 4)
             reps = iters if nbytes <= 1 << 16 else max(6, iters // (40 if nbytes > 1 << 22 else 8))
@@ -120,9 +123,9 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                         "all_gather": float(world), "reduce_scatter": world * (world + 1) / 2}[op]
                 if float(got[-1]) != want:
                     raise AssertionError(f"{lib} {op} of {nbytes} B: {float(got[-1])} != {want}")
-        from raycoll.groups import get_group
-
-        out["algorithm"] = get_group("node-seg-bench-new").last_route.algorithm
+                if lib == "new":  # what the group's planner took at this size
+                    algos.append(f"{nbytes} B {get_group('node-seg-bench-new').last_route.algorithm}")
+        out["algorithm"] = ", ".join(algos)
     finally:
         dist.destroy_process_group()
     return out

@@ -10,7 +10,6 @@ of waiting), pick the backend for the tensors' device, and run, waiting unless `
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, overload
@@ -26,7 +25,7 @@ from raycoll.process_group import ProcessGroup
 from raycoll.world import GroupLike, _NonMember, world
 from raycoll.reduce_op import ReduceOp, as_reduce_op, check_op_dtype
 from raycoll.sparse import is_sparse
-from raycoll.tensors import TensorInfo, describe, is_tensor
+from raycoll.tensors import TensorInfo, describe
 from raycoll.work import Work
 
 logger = logging.getLogger("raycoll")

@@ -243,7 +243,7 @@ def reduce_scatter_tensor_coalesced(outputs: List[Tensor], inputs: List[Tensor],
                     f"invalid tensor size: inputs[{i}] must have world size * outputs[{i}]"
                     f".numel() = {size} * {o.numel} elements, got {x.numel} (shape {x.shape})")
         rop = _reduce_op(op, outs[0])
-        views = _host(outputs, "outputs")
+        _host(outputs, "outputs")  # checked now: host tensors (written by _unpack)
         in_views = _host(inputs, "inputs")
         backend = _backend(pg, outs[0])
         fp = {"dtype": outs[0].dtype, "numels": tuple(o.numel for o in outs),

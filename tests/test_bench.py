@@ -154,7 +154,8 @@ def test_calibrate_prints_a_cost_model_a_group_accepts(ray_local: None,
     printed = capsys.readouterr().out
     assert status == 0, printed
     model = json.loads(printed.strip().splitlines()[-1])
-    assert set(model) == {"unix", "gamma"}  # one node: two ranks over a Unix socket
+    assert set(model) == {"unix", "socket", "gamma"}  # one node: two ranks, a Unix socket
+    assert model["socket"] == model["unix"]  # (native sockets: the planner's class)
     assert model["unix"]["alpha"] > 0 and model["unix"]["beta"] >= 0 and model["gamma"] > 0
     assert GroupOptions.of({"cost_model": model}).cost_model == model
     assert CostModel.of(model).links["unix"].alpha == model["unix"]["alpha"]

@@ -362,3 +362,28 @@ def test_join_rounds_out_of_step_break_the_group_with_the_hint() -> None:
     a, b = _run(body)
     assert a[:2] == ("err", "mismatch") and a[2].endswith(logic.JOIN_OUT_OF_STEP)
     assert b == a
+
+
+@pytest.mark.parametrize("waits,missing,named", [
+    ({2: (3,)}, [2], [3]),  # rank 1 waits on rank 2, which waits on rank 3 (stalled)
+    ({2: (0,), 0: (3,)}, [2], [3]),  # two waits deep
+    ({2: (0, 3), 0: ()}, [2], [0, 3]),  # each branch to its end
+    ({0: (2,), 2: (0,)}, [0], [2]),  # 0 and 2 wait on each other: 1 names 0's peer
+    ({0: (1,)}, [0], [0]),  # 0 waits on the rank that timed out: 0 is named
+    ({}, [2], [2]),  # rank 2 never checked in: it is the one
+], ids=["one", "two-deep", "branches", "crossed", "back", "unknown"])
+def test_a_transport_timeout_names_the_ranks_behind_the_waits(waits, missing, named) -> None:
+    """Rank 1's wait times out on a rank that itself waits in the same collective (its
+    checks said on whom): the timeout names the ranks at the end of the waits (the rank
+    behind a node-mate's wait, not the node-mate)."""
+    async def body():
+        c = Coordinator("g", 4)
+        ranks = (10, 11, 12, 13)
+        fp = {"op": "all_reduce"}
+        for r, on in waits.items():
+            assert c.transport_check("g", ranks, 5, r, fp, {}, on, 0.5, "tcp") == ("ok", None)
+        return c.transport_timeout("g", ranks, 5, 1, "all_reduce", missing, {}, 3.0, "tcp")
+
+    status, kind, message, extra = _run(body)
+    assert (status, kind) == ("err", "timeout") and extra["missing"] == [10 + r for r in named]
+    assert f"ranks [{', '.join(str(10 + r) for r in named)}] never arrived" in message

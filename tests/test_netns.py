@@ -241,7 +241,8 @@ def test_link_slowed_to_a_crawl_mid_all_reduce_times_out_on_every_rank(raycoll_n
     # (2 cores, load 30): the fast node's calls get 15 s (the crawl's would take minutes).
     # The sockets' schedules (transport="tcp"): on the node segments' plans a rank of the
     # fast node waits at a segment step for its node-mate, which waits in the inter-node step
-    # on the slow link, and names that node-mate (not yet the slow node's ranks behind it).
+    # on the slow link; the coordinator now follows that wait to the slow node's ranks
+    # (tests/test_node_segment.py's stalled-rank test), not yet run here on the node plans.
     fast, late = 15.0, 25.0
     results = _fault_then_reform(cluster, team, lambda: cluster.set_rate(2, "1mbit"),
                                  lambda: cluster.set_rate(2, "1gbit"), n=1 << 24,

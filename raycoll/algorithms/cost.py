@@ -55,7 +55,7 @@ def _positive(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Link costs by class (``lane``, ``unix``, ``tcp``), ``gamma`` (seconds a reduced byte),
+    """Link costs by class (``lane``, ``unix``, ``tcp``, ``segment``, ``socket``), ``gamma`` (seconds a reduced byte),
     ``wake`` and ``nic`` (see the module docstring)."""
 
     links: Mapping[str, LinkCost] = field(default_factory=dict)
@@ -133,10 +133,15 @@ class CostModel:
 
 
 #: Measured here (benchmarks/HISTORY.md, "Many ranks"): a message's fixed cost is mostly
-#: Python's (framing, one ``sendmsg``, a poll), a byte's a kernel copy at each end.
+#: Python's (framing, one ``sendmsg``, a poll), a byte's a kernel copy at each end. The
+#: native executor's classes (:mod:`raycoll.algorithms.planner`): ``segment``, a step of a
+#: node segment's ranks (a 4 B all_reduce of 2 ranks on one node: 3-6 us) and a byte copied
+#: in or out; ``socket``, a native message (4 B between 2 ranks on 2 Ray nodes, back to back:
+#: about 16 us, BENCHMARKS.md) and a byte at each end, as ``tcp``'s.
 DEFAULT = CostModel(
     links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),
-           "tcp": LinkCost(60e-6, 0.35e-9)},
+           "tcp": LinkCost(60e-6, 0.35e-9), "segment": LinkCost(4e-6, 0.1e-9),
+           "socket": LinkCost(16e-6, 0.35e-9)},
     gamma=0.3e-9,
     wake=0.1e-3,
 )

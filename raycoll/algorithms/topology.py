@@ -14,8 +14,10 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 __all__ = ["LINK_CLASSES", "Topology"]
 
 #: The link classes the cost model knows: ``lane`` (same node, shared memory), ``unix`` (same
-#: node, a Unix socket), ``tcp`` (across nodes).
-LINK_CLASSES: Tuple[str, ...] = ("lane", "unix", "tcp")
+#: node, a Unix socket), ``tcp`` (across nodes), as the Python transports' schedules move
+#: messages; and the native executor's (:mod:`raycoll.algorithms.planner`): ``segment`` (a
+#: node segment's step and bytes) and ``socket`` (a native message, on a node or across).
+LINK_CLASSES: Tuple[str, ...] = ("lane", "unix", "tcp", "segment", "socket")
 
 
 @dataclass(frozen=True)

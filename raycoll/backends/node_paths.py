@@ -3,20 +3,16 @@ inside each node and sockets between nodes, in one plan run by one call of the n
 executor (:mod:`raycoll.algorithms.node_plans`, :mod:`raycoll.transport.node_segment`):
 all_reduce, reduce, reduce_scatter, broadcast and all_gather.
 
-**The rule** (the same on every rank, from what they all agree on): a collective takes its
-hierarchical plan where the group may have node segments (``node_segment_possible``: the
-native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
-ranks), the buffer is not empty (a broadcast: at least ``NODE_BROADCAST_BYTES``), the core
-reduces the op and dtype, and no algorithm is forced for the collective (a forced one runs
-as the socket schedule it names). Measured (benchmarks/BENCHMARKS.md, "Node segments on
-several nodes": the plan against the socket schedule the cost model picks, same actors,
-same run, 2 + 2 and 3 + 1 ranks): 1.04-1.12x at 4 B, even at 1 MiB (0.97-1.25x), 1.5-2.2x
-at 64 MiB for all_reduce; all_gather 1.0-7.4x. It is a measured rule rather than the cost
-model's choice because the model's defaults price a message as the Python transports'
-(tens of microseconds) and every step a wake-up on this machine, which puts the one-step
-direct exchange below the plan's two steps at 4 B, against the measurement; once the model
-is recalibrated for the native executor (issue 43, item 4) the plan becomes a catalog entry
-it prices.
+**The choice** (the same on every rank, from what they all agree on): a collective may take
+its hierarchical plan where the group may have node segments (``node_segment_possible``:
+the native core on every rank, several nodes, ``transport="auto"``, a node with 2+ of its
+ranks), the core reduces the op and dtype, and no algorithm is forced for the collective (a
+forced one runs as the socket schedule it names); it takes it where the planner
+(:func:`raycoll.algorithms.planner.node_plan_wins`) prices the plan at most the cheapest
+flat socket schedule, with the group's cost model (option ``cost_model``: its ``segment``
+and ``socket`` link classes). With the defaults it picks what was measured
+(benchmarks/BENCHMARKS.md, "Node segments on several nodes", 2 + 2 ranks: the plan for
+all_reduce at 4 B, 1 MiB and 64 MiB, for all_gather, and for a broadcast from 1 MiB).
 
 The node segments are set up inside the first collective that takes the path. Each method
 returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
@@ -31,22 +27,21 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from raycoll.algorithms import node_plans
+from raycoll.algorithms.cost import CostModel
+from raycoll.algorithms.planner import NODE_BROADCAST_BYTES, NODE_PLAN, node_plan_wins
 from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
 from raycoll.reduce_op import ReduceOp
 from raycoll.transport.node_segment import (NodeSegment, node_segment_possible,
                                             set_up_node_segment)
+from raycoll.transport.segment import _half_bytes
 
 __all__ = ["NodePaths", "NODE_ALGORITHM", "NODE_BROADCAST_BYTES"]
 
-#: The algorithm's name in ``last_route`` and ``group_status``.
-NODE_ALGORITHM = "node_hierarchical"
-#: A broadcast smaller than this keeps the socket schedule: the root's sends do not wait for
-#: their readers there, while every segment step waits for every rank of its node (2 + 2
-#: ranks, back to back, on a loaded machine: node-aware 0.18x the sockets at 4 B, 0.21x at
-#: 64 KiB, 0.67x at 256 KiB; 1.12x at 1 MiB, 1.6-4.1x at 64 MiB: BENCHMARKS.md).
-NODE_BROADCAST_BYTES = 1 << 20
+#: The algorithm's name in ``last_route`` and ``group_status`` (``NODE_BROADCAST_BYTES``:
+#: the planner's, :mod:`raycoll.algorithms.planner` says why).
+NODE_ALGORITHM = NODE_PLAN
 
 
 class NodePaths:
@@ -55,20 +50,25 @@ class NodePaths:
 
     ctx: GroupContext
     forced: Dict[str, Optional[str]]
+    cost_model: CostModel
 
     #: the group's node segments: ``None`` until set up, ``False`` where it has none
     _node: Any = None
+    #: the planner's answers: (collective, bytes, itemsize, root, half) -> the plan wins
+    _node_wins: Optional[Dict[Tuple[str, int, int, int, int], bool]] = None
 
     if TYPE_CHECKING:  # (ScheduledAlgorithms's, later in the backend's bases)
         def algorithm(self, collective: str, nbytes: int, itemsize: int,
                       root: int = 0) -> str: ...
 
-    def _node_plane(self, call: Call, collective: str, nbytes: int, itemsize: int) -> Any:
+    def _node_plane(self, call: Call, collective: str, nbytes: int, itemsize: int,
+                    root: int = 0) -> Any:
         """The group's sockets and node segments if ``collective`` of ``nbytes`` takes the
         hierarchical path (set up in ``call`` the first time), else ``None``."""
         ctx = self.ctx
         if self._node is False or nbytes == 0 or self.forced.get(collective) is not None \
-                or not node_segment_possible(ctx):
+                or not node_segment_possible(ctx) \
+                or not self._planned(collective, nbytes, itemsize, root):
             return None
         plane = ctx.sparse_transport(call)
         if plane is None or getattr(plane, "native", None) is None:
@@ -79,64 +79,71 @@ class NodePaths:
                 return None
         return plane
 
-    def _node_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call) -> bool:
-        """all_reduce of ``arr`` with ``op`` as one hierarchical plan."""
-        if self.ctx.size < 3 or not _reduces(arr, op):
-            return False
-        plane = self._node_plane(call, "all_reduce", arr.nbytes, arr.itemsize)
-        if plane is None:
-            return False
-        native = plane.native
-        with flat_out(arr) as flat:
-            codes = native.codes(flat, op)
-            node: NodeSegment = self._node
-            finish = op.name in ("AVG", "PREMUL_SUM")
-            plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish)
-            self._node_run(plane, call, plan, flat, (), codes, op)
-        return True
+    def _planned(self, collective: str, nbytes: int, itemsize: int, root: int) -> bool:
+        """The planner's answer: ``collective`` of ``nbytes`` takes its hierarchical plan
+        (priced with the segments' half once set up, the option's before: the same on every
+        rank)."""
+        half = self._node.half if self._node else _half_bytes(self.ctx)
+        if self._node_wins is None:
+            self._node_wins = {}
+        key = (collective, nbytes, itemsize, root, half)
+        wins = self._node_wins.get(key)
+        if wins is None:
+            if len(self._node_wins) > 256:
+                self._node_wins.clear()
+            wins = self._node_wins[key] = node_plan_wins(
+                collective, tuple(self.ctx.node_ids), nbytes, itemsize, half,
+                self.cost_model, root)
+        return wins
 
-    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
-        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan (on a copy on
-        the other ranks: their buffers stay as they were)."""
-        if self.ctx.size < 3 or not _reduces(arr, op):
-            return False
-        plane = self._node_plane(call, "reduce", arr.nbytes, arr.itemsize)
+    def _reduce_plane(self, call: Call, collective: str, out: np.ndarray, nbytes: int,
+                      op: ReduceOp, root: int = 0) -> Any:
+        """:meth:`_node_plane` for a reducing ``collective`` into ``out`` (``nbytes`` a
+        rank): ``None`` also on fewer than 3 ranks or where the core does not reduce
+        ``out``'s dtype with ``op``."""
+        if self.ctx.size < 3 or not _reduces(out, op):
+            return None
+        return self._node_plane(call, collective, nbytes, out.itemsize, root)
+
+    def _node_all_reduce(self, arr: np.ndarray, op: ReduceOp, call: Call,
+                         dst: Optional[int] = None) -> bool:
+        """all_reduce of ``arr`` with ``op`` as one hierarchical plan; a reduce into ``dst``
+        is the same plan (on a copy on the other ranks: their buffers stay as they were)."""
+        plane = self._reduce_plane(call, "all_reduce" if dst is None else "reduce", arr,
+                                   arr.nbytes, op, dst or 0)
         if plane is None:
             return False
         node: NodeSegment = self._node
-        finish = op.name in ("AVG", "PREMUL_SUM")
-        with flat_out(arr) if self.ctx.rank == dst else _copy(arr) as flat:
+        with flat_out(arr) if dst is None or self.ctx.rank == dst else _copy(arr) as flat:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
-                                         self.ctx.rank, node.half, finish)
+                                         self.ctx.rank, node.half, _finishes(op))
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
         return True
+
+    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
+        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan."""
+        return self._node_all_reduce(arr, op, call, dst)
 
     def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
                              call: Call) -> bool:
         """reduce_scatter of ``whole`` (one piece a rank) into ``out`` as one node-aware
         plan."""
-        size = self.ctx.size
-        if size < 3 or whole.size != out.size * size or whole.dtype != out.dtype \
-                or not _reduces(out, op):
+        if whole.size != out.size * self.ctx.size or whole.dtype != out.dtype:
             return False
-        plane = self._node_plane(call, "reduce_scatter", whole.nbytes, whole.itemsize)
+        plane = self._reduce_plane(call, "reduce_scatter", out, whole.nbytes, op)
         if plane is None:
             return False
         node: NodeSegment = self._node
-        finish = op.name in ("AVG", "PREMUL_SUM")
         src = flat_in(whole)
         with flat_out(out) as flat:
             plan = node_plans.reduce_scatter(flat.size, flat.itemsize, self.ctx.node_ids,
-                                             self.ctx.rank, node.half, finish)
+                                             self.ctx.rank, node.half, _finishes(op))
             self._node_run(plane, call, plan, src, (flat,), plane.native.codes(flat, op), op)
         return True
 
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
         """broadcast of ``arr`` from ``src`` as one node-aware plan."""
-        if arr.nbytes < NODE_BROADCAST_BYTES:
-            return False
-        plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize)
+        plane = self._node_plane(call, "broadcast", arr.nbytes, arr.itemsize, src)
         if plane is None:
             return False
         node: NodeSegment = self._node
@@ -181,6 +188,11 @@ class NodePaths:
             self._node.close()
         self._node = False
         super().close()  # type: ignore[misc]
+
+
+def _finishes(op: ReduceOp) -> bool:
+    """Whether ``op`` has a final step after the sums (AVG's division, PREMUL_SUM's factor)."""
+    return op.name in ("AVG", "PREMUL_SUM")
 
 
 def _reduces(arr: np.ndarray, op: ReduceOp) -> bool:

@@ -8,7 +8,10 @@ receives ``b`` and reduces them, so ``T(b) = alpha + 2 beta b + gamma b``
 (:mod:`raycoll.algorithms.cost`). ``gamma`` (seconds a reduced byte) is timed here, on the
 driver's core. Between nodes, ``nic``, a byte through the node's link that its ranks share,
 is ``2 beta``: what one byte each way took here. Prints the group option that carries them:
-``create_group(..., options={"cost_model": {...}})``.
+``create_group(..., options={"cost_model": {...}})``. The two ranks run the native executor,
+so the same figures are also the ``socket`` link class's (a native message: the planner's,
+:mod:`raycoll.algorithms.planner`); the ``segment`` class keeps its default (not measured
+here yet).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def calibrate(opts: Options) -> Dict[str, Any]:
     # other work on the machine (a stall of a loaded machine once priced alpha at 62 ms)
     alpha = small.min_us * 1e-6
     beta = max(0.0, (large.min_us * 1e-6 - alpha - gamma * big) / (2 * big))
-    model: Dict[str, Any] = {link: {"alpha": alpha, "beta": beta}, "gamma": gamma}
+    model: Dict[str, Any] = {link: {"alpha": alpha, "beta": beta},
+                             "socket": {"alpha": alpha, "beta": beta}, "gamma": gamma}
     if link == "tcp":
         # the link between nodes, which a node's ranks share: a byte crosses it in 2 beta
         model["nic"] = 2 * beta

@@ -59,6 +59,7 @@ class TransportMixin(CoordinatorState):
         crossed = self._waits_cross(key, ranks, seq, rank, fp)
         if crossed is not None:
             return crossed
+        self._check_fps[(key, seq)].setdefault("waits", {})[rank] = tuple(waiting)
         st = self._steps.get((key, seq, 0))
         if st is None or st.error is None and (st.done.is_set() or not st.arrivals):
             return ok()  # nothing there, or the lane's own set-up step
@@ -101,9 +102,34 @@ class TransportMixin(CoordinatorState):
         self._note_progress(key, rank, seq, op, progress, transport)
         if key in self._broken:
             return self._broken[key]
-        error = self._timeout_error(key, op, seq, missing, timeout_s)
+        error = self._timeout_error(key, op, seq, self._behind(key, seq, rank, missing), timeout_s)
         self._broken[key] = error
         return error
+
+    def _behind(self, key: str, seq: int, rank: int, missing: Sequence[int]) -> List[int]:
+        """The group ranks behind rank ``rank``'s wait in collective ``seq`` for group ranks
+        ``missing``: a missing rank that itself waits in ``seq`` (its last check said on
+        whom) stands for the ranks it waits on, and so on, to the ranks that wait on none
+        (they never came: a stalled rank) or only on ranks already passed (``rank`` among
+        them: two ranks waiting on each other's bytes across a crawling link). So a rank of
+        a node segment waiting at a segment step on a node-mate that waits in the sockets'
+        step for another node names that node's ranks, not its node-mate."""
+        entry = self._check_fps.get((key, seq))
+        waits: Dict[int, Tuple[int, ...]] = entry.get("waits", {}) if entry else {}
+        behind: List[int] = []
+        seen = {rank}
+        todo = list(missing)
+        while todo:
+            r = todo.pop()
+            if r in seen:
+                continue
+            seen.add(r)
+            onward = [w for w in waits.get(r, ()) if w not in seen]
+            if onward:
+                todo.extend(onward)
+            else:
+                behind.append(r)
+        return sorted(behind) or list(missing)
 
     def transport_progress(self, key: str, ranks: Tuple[int, ...],
                            progress: Dict[int, Tuple[str, int]],

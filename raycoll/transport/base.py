@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
 __all__ = ["RoundTransport", "SpinBackoff", "own", "overlapping", "may_spin", "await_explanation",
-           "report_period_s"]
+           "report_period_s", "segment_failure"]
 
 
 #: A waiting rank asks the coordinator first after ``CHECK_FIRST_S``, then at intervals that
@@ -135,6 +135,43 @@ def own(value: Any) -> Any:
         copied = [own(v) for v in value]
         return type(value)(copied) if isinstance(value, list) else tuple(copied)
     return value
+
+
+def segment_failure(transport: "RoundTransport", call: "Call", seg: Any, status: int,
+                    peer: int, ranks: Sequence[int],
+                    broken: Callable[[], None]) -> Optional[BaseException]:
+    """The error of a run on segment ``seg`` (the one-node segment or a node segment) that
+    ended with one of its statuses ``CLOSED``, ``DEAD`` or ``ABORTED`` naming local rank
+    ``peer``, or ``None`` for any other status. ``ranks``: each local rank's group rank;
+    ``broken``: breaks this rank's side of the group first (its peers stop waiting: the
+    segment's abort flag, the sockets), for ``DEAD`` and ``ABORTED``; ``transport``: whose
+    coordinator explains the failure first (a dead rank's probe fails within
+    milliseconds)."""
+    from raycoll.native import core  # (the native core: built where a segment exists)
+
+    ctx = transport.ctx
+    where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
+    if status == core.CLOSED:
+        return errors.GroupDestroyedError(
+            f"{where}: the group was destroyed while the call waited")
+    if status not in (core.DEAD, core.ABORTED):
+        return None
+    broken()
+    who = ranks[peer] if 0 <= peer < len(ranks) else ctx.rank
+    explained = transport._explained(call, [who])
+    if explained is not None:
+        return explained
+    g = ctx.global_ranks[who]
+    if status == core.DEAD:
+        err: errors.RaycollError = errors.RankFailedError(
+            f"{where}: rank {g} died (its process {seg.info(peer, 0)['pid']} is gone)",
+            failed_ranks=[g], **ctx.ctx(call))
+    else:
+        err = errors.GroupBrokenError(
+            f"{where}: rank {g} gave up on the group (its call failed); the group is broken",
+            **ctx.ctx(call))
+    ctx.fail(err)
+    return err
 
 
 def report_period_s() -> float:

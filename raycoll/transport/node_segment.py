@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raycoll import errors
 from raycoll.coordinator.logic import fingerprint_mismatch
 from raycoll.native import core
+from raycoll.transport.base import segment_failure
 from raycoll.transport.fingerprints import Fingerprints
 from raycoll.transport.segment import _half_bytes, agree_segment
 
@@ -100,30 +100,9 @@ class NodeSegment:
     def failed(self, ctx: "GroupContext", tcp: Any, call: "Call", status: int,
                peer: int) -> Optional[BaseException]:
         """The error of a run that ended with a status of the segment's (``peer``: a local
-        rank), or ``None`` for the sockets' statuses."""
-        where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
-        ranks = ctx.global_ranks
-        if status == core.CLOSED:
-            return errors.GroupDestroyedError(
-                f"{where}: the group was destroyed while the call waited")
-        if status not in (core.DEAD, core.ABORTED):
-            return None
-        tcp.fail_broken()  # ranks that arrive later, on any node, fail too
-        who = self.ranks[peer] if 0 <= peer < len(self.ranks) else ctx.rank
-        explained = tcp._explained(call, [who])
-        if explained is not None:
-            return explained
-        if status == core.DEAD:
-            err: errors.RaycollError = errors.RankFailedError(
-                f"{where}: rank {ranks[who]} died (its process "
-                f"{self.seg.info(peer, 0)['pid']} is gone)", failed_ranks=[ranks[who]],
-                **ctx.ctx(call))
-        else:
-            err = errors.GroupBrokenError(
-                f"{where}: rank {ranks[who]} gave up on the group (its call failed); the "
-                "group is broken", **ctx.ctx(call))
-        ctx.fail(err)
-        return err
+        rank), or ``None`` for the sockets' statuses; a failure that breaks the group shuts
+        the sockets too (ranks that arrive later, on any node, fail too)."""
+        return segment_failure(tcp, call, self.seg, status, peer, self.ranks, tcp.fail_broken)
 
 
 def set_up_node_segment(ctx: "GroupContext", call: "Call") -> Optional[NodeSegment]:

@@ -48,7 +48,8 @@ from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
-from raycoll.transport.base import REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own
+from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own,
+                                    segment_failure)
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.frames import decode_frame, encode_round
 from raycoll.transport.cores import oversubscribed
@@ -371,30 +372,14 @@ class SegmentLane(RoundTransport):
             return explained if explained is not None else errors.CollectiveMismatchError(
                 f"{where}: rank {ranks[peer]} left it out and is already at collective "
                 f"#{theirs}: the ranks are out of step", **self.ctx.ctx(call))
-        if status == core.CLOSED:
-            return errors.GroupDestroyedError(
-                f"{where}: the group was destroyed while the call waited")
+        known = segment_failure(self, call, self.seg, status, peer, range(self.ctx.size),
+                                self._broken)
+        if known is not None:
+            return known
         self._broken()
-        if status in (core.DEAD, core.ABORTED):
-            # the coordinator probes the rank at once (a dead actor's probe fails within
-            # milliseconds), so that it knows before this rank's error reaches the caller
-            explained = self._explained(call, [peer])
-            if explained is not None:
-                return explained
-        if status == core.DEAD:
-            err: errors.RaycollError = errors.RankFailedError(
-                f"{where}: rank {ranks[peer]} died (its process {self.seg.info(peer, 0)['pid']} "
-                "is gone)", failed_ranks=[ranks[peer]], **self.ctx.ctx(call))
-            self.ctx.fail(err)
-            return err
-        if status == core.ABORTED:
-            err = errors.GroupBrokenError(
-                f"{where}: rank {ranks[peer]} gave up on the group (its call failed); the "
-                "group is broken", **self.ctx.ctx(call))
-        else:
-            err = errors.GroupBrokenError(f"{where}: the node segment refused a plan "
-                                          f"(status {status}, operation {peer}): a bug",
-                                          **self.ctx.ctx(call))
+        err = errors.GroupBrokenError(f"{where}: the node segment refused a plan "
+                                      f"(status {status}, operation {peer}): a bug",
+                                      **self.ctx.ctx(call))
         self.ctx.fail(err)
         return err
 

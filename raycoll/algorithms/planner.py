@@ -1,0 +1,146 @@
+"""One planner for a group on several nodes: its hierarchical plans
+(:mod:`raycoll.algorithms.node_plans`: the node segment inside each node, sockets between
+nodes, one call of the native executor) and the flat socket schedules
+(:mod:`raycoll.algorithms.catalog`) priced by one cost model, the cheaper taken.
+
+Both run on the native executor, so both are priced at its link classes
+(:mod:`raycoll.algorithms.cost`): ``socket``, a native message between two ranks (``alpha``
+a message, ``beta`` a byte at each end; a flat schedule's messages all go over sockets,
+inside a node too), and ``segment``, the node segment (``alpha`` a step: every local rank
+publishes and waits for the others; ``beta`` a byte written into or copied out of it), with
+``gamma`` a reduced byte. The executor's waits spin or yield rather than sleep, so the
+schedules' per-step ``wake`` (a Python step waiting to be scheduled) is not charged.
+
+A plan is priced from its operations, rank by rank (:func:`plan_time`): each segment step
+its ``alpha``, each byte through the segment its ``beta`` (a reduction out of the node's
+halves reads every local rank's), each peer a rank sends to in a round one socket ``alpha``,
+each byte sent or received a socket ``beta``, each reduced byte ``gamma``; the plan takes as
+long as its slowest rank (or node link, where ``nic`` is set). A schedule is priced as
+:meth:`CostModel.time` prices it, every link a socket.
+
+:data:`NODE_PLANS` is the catalog of hierarchical plans by collective. A broadcast below
+``NODE_BROADCAST_BYTES`` is no candidate: the model prices one call, and back to back the
+sockets' root runs ahead of its readers (its sends do not wait for them) while every segment
+step waits for every rank of its node (2 + 2 ranks on a loaded machine: the node plan 0.18x
+the sockets at 4 B, 0.67x at 256 KiB, 1.12x at 1 MiB: benchmarks/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, Sequence, Tuple
+
+from raycoll.algorithms import node_plans
+from raycoll.algorithms.cost import CostModel, predict
+from raycoll.algorithms.native_plans import (FINAL, LOCAL, MREDUCE, RECV, SEND, XFER,
+                                             NativePlan)
+from raycoll.algorithms.segment_plans import COPY, REDUCE, SYNC, WRITE
+from raycoll.algorithms.topology import Topology
+
+__all__ = ["NODE_PLAN", "NODE_PLANS", "NODE_BROADCAST_BYTES", "node_plan_time", "plan_time",
+           "node_plan_wins"]
+
+#: The hierarchical plans' name (``last_route.algorithm``, ``group_status``).
+NODE_PLAN = "node_hierarchical"
+#: A broadcast smaller than this keeps the socket schedule (see the module docstring).
+NODE_BROADCAST_BYTES = 1 << 20
+
+
+def _all_reduce(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+                half: int, root: int) -> NativePlan:
+    return node_plans.all_reduce(nbytes // itemsize, itemsize, node_ids, rank, half, False)
+
+
+def _reduce_scatter(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+                    half: int, root: int) -> NativePlan:
+    count = nbytes // itemsize // len(node_ids)  # ``nbytes``: the whole input
+    return node_plans.reduce_scatter(count, itemsize, node_ids, rank, half, False)
+
+
+def _broadcast(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+               half: int, root: int) -> NativePlan:
+    return node_plans.broadcast(nbytes, node_ids, rank, root, half)
+
+
+def _all_gather(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+                half: int, root: int) -> NativePlan:
+    return node_plans.all_gather(nbytes // len(node_ids), node_ids, rank, half, True)
+
+
+#: The hierarchical plans by collective (reduce is the all_reduce plan): each builds rank
+#: ``rank``'s plan from (node ids, rank, bytes as the collective's cost is asked for,
+#: itemsize, the segment's half, root).
+NODE_PLANS: Dict[str, Callable[[Tuple[str, ...], int, int, int, int, int], NativePlan]] = {
+    "all_reduce": _all_reduce, "reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
+    "broadcast": _broadcast, "all_gather": _all_gather,
+}
+
+
+def plan_time(plans: Sequence[NativePlan], node_ids: Sequence[Hashable],
+              model: CostModel) -> float:
+    """The predicted seconds of a native plan, ``plans[r]`` rank ``r``'s, on a group whose
+    rank ``r`` is on node ``node_ids[r]`` (see the module docstring)."""
+    seg, sock, gamma = model.links["segment"], model.links["socket"], model.gamma
+    local = [sum(1 for n in node_ids if n == node_ids[r]) for r in range(len(node_ids))]
+    worst = 0.0
+    links: Dict[Tuple[int, Hashable], float] = {}  # (0 out / 1 in, node): bytes across
+    for rank, plan in enumerate(plans):
+        t, peers = 0.0, set()
+        for code, _buf, _off, n, peer, _a, nodes, _s in plan.ops.tolist():
+            if code == SYNC:
+                t += seg.alpha
+            elif code in (WRITE, COPY, LOCAL):
+                t += seg.beta * n
+            elif code == REDUCE:  # every local rank's half read, all but one reduced in
+                t += (seg.beta * local[rank] + gamma * (local[rank] - 1)) * n
+            elif code == MREDUCE:  # the nodes' partials: the first copied, the others reduced
+                t += gamma * n * (nodes - 1)
+            elif code == FINAL:
+                t += gamma * n
+            elif code == SEND:
+                t += sock.beta * n + (0.0 if peer in peers else sock.alpha)
+                peers.add(peer)
+                if node_ids[peer] != node_ids[rank]:
+                    out = (0, node_ids[rank])
+                    links[out] = links.get(out, 0.0) + n
+                    into = (1, node_ids[peer])
+                    links[into] = links.get(into, 0.0) + n
+            elif code == RECV:
+                t += sock.beta * n
+            elif code == XFER:
+                peers = set()
+        worst = max(worst, t)
+    return max(worst, model.nic * max(links.values(), default=0.0))
+
+
+def node_plan_time(collective: str, node_ids: Tuple[str, ...], nbytes: int, itemsize: int,
+                   half: int, model: CostModel, root: int = 0) -> float:
+    """The predicted seconds of ``collective``'s hierarchical plan of ``nbytes`` (a rank's
+    buffer; reduce_scatter's and all_gather's: the whole) on ``node_ids``, the segment's
+    halves ``half`` bytes."""
+    build = NODE_PLANS[collective]
+    plans = [build(node_ids, r, nbytes, itemsize, half, root) for r in range(len(node_ids))]
+    return plan_time(plans, node_ids, model)
+
+
+def _native(model: CostModel) -> CostModel:
+    """``model`` as the native executor's flat schedules cost: every link a socket, no
+    per-step wake-up."""
+    sock = model.links["socket"]
+    links = dict(model.links)
+    links.update(lane=sock, unix=sock, tcp=sock)
+    return CostModel(links, model.gamma, 0.0, model.nic)
+
+
+def node_plan_wins(collective: str, node_ids: Tuple[str, ...], nbytes: int, itemsize: int,
+                   half: int, model: CostModel, root: int = 0) -> bool:
+    """Whether ``collective`` of ``nbytes`` takes its hierarchical plan on ``node_ids``: the
+    model prices it at most the cheapest flat socket schedule's time (the same answer on
+    every rank: the same inputs)."""
+    if collective not in NODE_PLANS or nbytes == 0 \
+            or collective == "broadcast" and nbytes < NODE_BROADCAST_BYTES:
+        return False
+    topology = Topology(node_ids, "unix")
+    # the schedules price a rank's buffer: reduce_scatter's and all_gather's are the whole
+    flat = predict(collective, topology, nbytes, itemsize, _native(model), root)
+    return node_plan_time(collective, node_ids, nbytes, itemsize, half, model,
+                          root) <= min(flat.values())
