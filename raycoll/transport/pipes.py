@@ -526,6 +526,9 @@ class PairPipes:
                         continue
                     self._reading[s] = True
                 try:
+                    if s in self._remote and s not in self._pipes \
+                            and self._links.incoming(s, "p2p") is None:
+                        continue  # nothing came from it yet (no connection made for nothing)
                     pipe = self._pipe(s)
                     if s in self._remote and not sockpipes.attach_in(self._links, s, pipe):
                         continue  # nothing came from it yet
