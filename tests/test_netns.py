@@ -310,7 +310,7 @@ def test_a_rank_killed_on_one_node_survivors_shrink_and_a_replacement_grows_it(
 def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before,
                                                                   raycoll_netns):
     """``raycoll-bench --calibrate --address``: its two ranks go to two nodes, so it prices
-    ``tcp`` at the shaped link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket
+    ``tcp`` (and ``socket``, the planner's name for the same measurement) at the shaped link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket
     inside one node (what it measured before: Ray packed both ranks on one node)."""
     import json
     import os
@@ -324,7 +324,8 @@ def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before
                           capture_output=True, text=True, timeout=140, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(model) == {"tcp", "gamma", "nic"}, model
+    assert set(model) == {"tcp", "socket", "gamma", "nic"}, model
+    assert model["socket"] == model["tcp"]  # the native executor's messages: the same link
     # 1 Gbit/s: 8 ns a byte over the link (nic), half of it at each end; loopback: ~0.3 ns.
     # The upper bound is generous: a loaded machine measured 15.6 ns (CPUs, not the link)
     assert 2e-9 < model["tcp"]["beta"] < 40e-9, model
