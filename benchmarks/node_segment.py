@@ -6,7 +6,10 @@ the same actors and the same run (issue 43):
   of the native executor);
 - **old**: the same ranks in a second group with ``transport="tcp"``: the socket schedules the
   cost model picks (every step over Unix sockets inside a node and TCP between nodes), the
-  path every multi-node group took before;
+  path every multi-node group took before; with ``--old ALGO``, instead the group's default
+  transport with the collective forced to the flat socket schedule ``ALGO`` (e.g.
+  ``halving_doubling``: the native executor, every step over sockets), the planner's
+  alternative to the plan;
 - **gloo**: torch.distributed's gloo in the same actors.
 
 The three alternate in blocks of a few calls, size by size, so load on the machine falls on
@@ -16,7 +19,7 @@ to back** (call after call) and **after a barrier** (each call right after a bar
 same library, as in a loop that computes between collectives).
 
 Usage: ``python benchmarks/node_segment.py [--layout 2+2] [--sizes 4,1M,64M]
-[--op all_reduce|broadcast|all_gather|reduce_scatter] [--iters 200]`` (reduce_scatter:
+[--op all_reduce|broadcast|all_gather|reduce_scatter] [--iters 200] [--old ALGO]`` (reduce_scatter:
 the size is each rank's output piece, list inputs). The Ray nodes are ``ray.cluster_utils.Cluster`` nodes on
 this machine (loopback between them).
 """
@@ -138,6 +141,9 @@ def main() -> None:
     parser.add_argument("--op", default="all_reduce",
                         choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"))
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--old", default="tcp",
+                        help="old: 'tcp' (transport='tcp'), or a flat socket schedule of the "
+                             "op to force on the default transport (e.g. halving_doubling)")
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -153,8 +159,10 @@ def main() -> None:
     world = len(actors)
     try:
         raycoll.create_group(actors, group_name="node-seg-bench-new", timeout=120)
+        old = ({"transport": "tcp"} if args.old == "tcp"
+               else {f"{args.op}_algo": args.old})
         raycoll.create_group(actors, group_name="node-seg-bench-old", timeout=120,
-                             options={"transport": "tcp"})
+                             options=old)
         sizes = parse_sizes(args.sizes)
         port = _free_port()
         refs = [a.run.remote(_bench, r, (world, port, args.op, sizes, args.iters), {})
@@ -167,7 +175,8 @@ def main() -> None:
         cluster.shutdown()
     print(f"# node_segment: {args.op}, {args.layout} ranks on {len(per_node)} Ray nodes "
           f"(ray.cluster_utils, this machine), float32; median over calls of the slowest "
-          f"rank (us); same actors, same run; new's algorithm: {results[0]['algorithm']}")
+          f"rank (us); same actors, same run; old: {args.old}; new's algorithm: "
+          f"{results[0]['algorithm']}")
     print(f"{'size':>9} {'pattern':>16} {'old us':>10} {'new us':>10} {'gloo us':>10} "
           f"{'new/old':>8} {'x gloo':>7}")
     for nbytes in sizes:

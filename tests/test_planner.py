@@ -8,8 +8,9 @@ import pytest
 from raycoll.algorithms import node_plans
 from raycoll.algorithms.catalog import build
 from raycoll.algorithms.cost import DEFAULT, CostModel
-from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLANS, flat_times,
-                                        node_plan_time, node_plan_wins, plan_time)
+from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLANS, broadcast_tree,
+                                        flat_times, node_plan_time, node_plan_wins,
+                                        plan_time)
 from raycoll.algorithms.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,3 +141,34 @@ def test_the_cost_model_option_takes_the_native_link_classes():
     assert CostModel.of(model.as_dict()) == model
     with pytest.raises(ValueError, match="segment.alpha"):
         CostModel.of({"segment": {"alpha": -1.0}})
+
+
+@pytest.mark.parametrize("ids,tree", [(TWO_TWO, False), (TWO_ONE_ONE, False),
+                                      (("a", "a", "b", "b", "c", "c"), False),
+                                      (FOUR_TWOS, True), (FOUR_ONES, True),
+                                      (tuple("aabcdefgh"), True)])
+def test_broadcast_takes_the_tree_over_the_nodes_from_4_nodes(ids, tree):
+    """The tree's root sends the buffer ceil(log2 nodes) times, the star's nodes - 1: the
+    same on 3 nodes (2 and 2, the tree then one more send on another node: the star), fewer
+    from 4; 2 nodes have no tree. Every root and size alike; the plan priced is the cheaper."""
+    for root in range(len(ids)):
+        for nbytes in (NODE_BROADCAST_BYTES, 64 << 20):
+            assert broadcast_tree(ids, nbytes, HALF, DEFAULT, root) is tree
+            star = plan_time([node_plans.broadcast(nbytes, ids, r, root, HALF)
+                              for r in range(len(ids))], ids, DEFAULT)
+            priced = node_plan_time("broadcast", ids, nbytes, 1, HALF, DEFAULT, root)
+            assert (priced < star) is tree and priced <= star
+
+
+def test_on_shared_node_links_the_tree_halves_the_roots_nodes_bytes_out():
+    """With ``nic`` (a node's network link shared by its ranks, as on the netns harness's
+    shaped links), 4 nodes of 2 ranks: the star's root node sends the buffer 3 times, the
+    tree's 2, and the link prices them so: the tree."""
+    model = CostModel.of({"nic": 1e-9})
+    nbytes = NODE_BROADCAST_BYTES
+    star = plan_time([node_plans.broadcast(nbytes, FOUR_TWOS, r, 0, HALF) for r in range(8)],
+                     FOUR_TWOS, model)
+    assert star == pytest.approx(3 * nbytes * 1e-9)
+    assert node_plan_time("broadcast", FOUR_TWOS, nbytes, 1, HALF, model) == \
+        pytest.approx(2 * nbytes * 1e-9)
+    assert broadcast_tree(FOUR_TWOS, nbytes, HALF, model)

@@ -28,7 +28,8 @@ sum is the bound of ranks that cannot run at once; on nodes with a core to spare
 rank it overprices both sides alike, the side with more work the more.
 
 :data:`NODE_PLANS` is the catalog of hierarchical plans by collective. A broadcast below
-``NODE_BROADCAST_BYTES`` is no candidate: the model prices one call, and back to back the
+``NODE_BROADCAST_BYTES`` is no candidate (on 3+ nodes broadcast's plan is the cheaper of
+two, :func:`broadcast_tree`): the model prices one call, and back to back the
 sockets' root runs ahead of its readers (its sends do not wait for them) while every segment
 step waits for every rank of its node (2 + 2 ranks on a loaded machine: the node plan 0.18x
 the sockets at 4 B, 0.67x at 256 KiB, 1.12x at 1 MiB: benchmarks/BENCHMARKS.md).
@@ -48,7 +49,7 @@ from raycoll.algorithms.segment_plans import COPY, REDUCE, SYNC, WRITE
 from raycoll.algorithms.topology import Topology
 
 __all__ = ["NODE_PLAN", "NODE_PLANS", "NODE_BROADCAST_BYTES", "node_plan_time", "plan_time",
-           "node_plan_wins", "flat_times"]
+           "node_plan_wins", "flat_times", "broadcast_tree"]
 
 #: The hierarchical plans' name (``last_route.algorithm``, ``group_status``).
 NODE_PLAN = "node_hierarchical"
@@ -70,6 +71,11 @@ def _reduce_scatter(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize:
 def _broadcast(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
                half: int, root: int) -> NativePlan:
     return node_plans.broadcast(nbytes, node_ids, rank, root, half)
+
+
+def _broadcast_tree(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+                    half: int, root: int) -> NativePlan:
+    return node_plans.broadcast(nbytes, node_ids, rank, root, half, tree=True)
 
 
 def _all_gather(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
@@ -131,9 +137,24 @@ def node_plan_time(collective: str, node_ids: Tuple[str, ...], nbytes: int, item
     """The predicted seconds of ``collective``'s hierarchical plan of ``nbytes`` (a rank's
     buffer; reduce_scatter's and all_gather's: the whole) on ``node_ids``, the segment's
     halves ``half`` bytes."""
-    build = NODE_PLANS[collective]
-    plans = [build(node_ids, r, nbytes, itemsize, half, root) for r in range(len(node_ids))]
-    return plan_time(plans, node_ids, model)
+    builds = [NODE_PLANS[collective]]
+    if collective == "broadcast" and len(set(node_ids)) > 2:
+        builds.append(_broadcast_tree)
+    return min(plan_time([build(node_ids, r, nbytes, itemsize, half, root)
+                          for r in range(len(node_ids))], node_ids, model)
+               for build in builds)
+
+
+def broadcast_tree(node_ids: Tuple[str, ...], nbytes: int, half: int, model: CostModel,
+                   root: int = 0) -> bool:
+    """Whether broadcast's plan sends between the nodes as a binomial tree over their
+    leaders (:func:`raycoll.algorithms.node_plans.broadcast`), not a star: 3+ nodes, and
+    the model prices the tree below the star (the same answer on every rank)."""
+    if len(set(node_ids)) < 3:
+        return False
+    star, tree = ([build(node_ids, r, nbytes, 1, half, root) for r in range(len(node_ids))]
+                  for build in (_broadcast, _broadcast_tree))
+    return plan_time(tree, node_ids, model) < plan_time(star, node_ids, model)
 
 
 def _native(model: CostModel) -> CostModel:

@@ -28,7 +28,8 @@ import numpy as np
 
 from raycoll.algorithms import node_plans
 from raycoll.algorithms.cost import CostModel
-from raycoll.algorithms.planner import NODE_BROADCAST_BYTES, NODE_PLAN, node_plan_wins
+from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLAN, broadcast_tree,
+                                        node_plan_wins)
 from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
@@ -147,8 +148,15 @@ class NodePaths:
         if plane is None:
             return False
         node: NodeSegment = self._node
+        key = ("broadcast_tree", arr.nbytes, 1, src, node.half)
+        tree = self._node_wins.get(key) if self._node_wins is not None else None
+        if tree is None:
+            tree = broadcast_tree(tuple(self.ctx.node_ids), arr.nbytes, node.half,
+                                  self.cost_model, src)
+            if self._node_wins is not None:
+                self._node_wins[key] = tree
         plan = node_plans.broadcast(arr.nbytes, self.ctx.node_ids, self.ctx.rank, src,
-                                    node.half)
+                                    node.half, tree)
         with flat_out(arr) as flat:
             self._node_run(plane, call, plan, flat, ())
         return True
