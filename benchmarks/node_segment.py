@@ -19,7 +19,8 @@ to back** (call after call) and **after a barrier** (each call right after a bar
 same library, as in a loop that computes between collectives).
 
 Usage: ``python benchmarks/node_segment.py [--layout 2+2] [--sizes 4,1M,64M]
-[--op all_reduce|broadcast|all_gather|reduce_scatter] [--iters 200] [--old ALGO]`` (reduce_scatter:
+[--op all_reduce|reduce|broadcast|all_gather|reduce_scatter] [--iters 200] [--old ALGO]
+[--new-cost-model JSON]`` (reduce_scatter:
 the size is each rank's output piece, list inputs). The Ray nodes are ``ray.cluster_utils.Cluster`` nodes on
 this machine (loopback between them).
 """
@@ -27,6 +28,7 @@ this machine (loopback between them).
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import time
@@ -76,6 +78,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 if lib == "gloo":
                     if op == "all_reduce":
                         dist.all_reduce(x)
+                    elif op == "reduce":
+                        dist.reduce(x, dst=0)
                     elif op == "broadcast":
                         dist.broadcast(x, src=0)
                     elif op == "reduce_scatter":
@@ -86,6 +90,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 group = "node-seg-bench-" + lib
                 if op == "all_reduce":
                     raycoll.all_reduce(x, group=group)
+                elif op == "reduce":
+                    raycoll.reduce(x, dst=0, group=group)
                 elif op == "broadcast":
                     raycoll.broadcast(x, src=0, group=group)
                 elif op == "reduce_scatter":  # each rank's piece: the size; its inputs: outs
@@ -123,6 +129,7 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 call(lib)
                 got = outs[lib][world - 1] if op == "all_gather" else bufs[lib]
                 want = {"all_reduce": world * (world + 1) / 2, "broadcast": 1.0,
+                        "reduce": world * (world + 1) / 2 if rank == 0 else rank + 1.0,
                         "all_gather": float(world), "reduce_scatter": world * (world + 1) / 2}[op]
                 if float(got[-1]) != want:
                     raise AssertionError(f"{lib} {op} of {nbytes} B: {float(got[-1])} != {want}")
@@ -139,11 +146,15 @@ def main() -> None:
     parser.add_argument("--layout", default="2+2", help="ranks per node, e.g. 2+2 or 3+1")
     parser.add_argument("--sizes", default="4,1M,64M")
     parser.add_argument("--op", default="all_reduce",
-                        choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"))
+                        choices=("all_reduce", "reduce", "broadcast", "all_gather",
+                                 "reduce_scatter"))
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--old", default="tcp",
                         help="old: 'tcp' (transport='tcp'), or a flat socket schedule of the "
                              "op to force on the default transport (e.g. halving_doubling)")
+    parser.add_argument("--new-cost-model", default=None,
+                        help="new's cost_model option, as JSON (e.g. a free segment, to have "
+                             "its planner take the plans)")
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -158,7 +169,9 @@ def main() -> None:
     actors = [worker.options(num_cpus=0, resources={f"node{n}": 1}).remote() for n in placement]
     world = len(actors)
     try:
-        raycoll.create_group(actors, group_name="node-seg-bench-new", timeout=120)
+        raycoll.create_group(actors, group_name="node-seg-bench-new", timeout=120,
+                             options={"cost_model": json.loads(args.new_cost_model)}
+                             if args.new_cost_model else None)
         old = ({"transport": "tcp"} if args.old == "tcp"
                else {f"{args.op}_algo": args.old})
         raycoll.create_group(actors, group_name="node-seg-bench-old", timeout=120,
