@@ -21,11 +21,13 @@ schedule is priced alike (:func:`flat_times`): its critical path as :meth:`CostM
 prices it, every link a socket, or its busiest node's ranks' work added up
 (:meth:`CostModel.work`). Each rank alone, a flat schedule of 3 + 1 ranks looked cheaper than
 the plan past 64 KiB (the schedule spreads the work over the ranks, the plan has one rail
-rank reduce and send the whole buffer), where the plan was measured 1.25x (1 MiB) and 1.6x
-(64 MiB) faster: the three ranks of the big node do three ranks' work of the schedule on
-the cores they share, and less than that in the plan (its bytes cross the node once). The
-sum is the bound of ranks that cannot run at once; on nodes with a core to spare for each
-rank it overprices both sides alike, the side with more work the more.
+rank reduce and send the whole buffer), where the plan was measured 1.08-1.59x faster
+than the flat schedule from 8 MiB (benchmarks/BENCHMARKS.md, "The planner"): the three
+ranks of the big node do three ranks' work of the schedule on the cores they share, and
+less than that in the plan (its bytes cross the node once). The sum is the bound of ranks
+that cannot run at once; on nodes with a core to spare for each rank it overprices both
+sides alike, the side with more work the more. (At 1 MiB, one chunk of the plan, it prices
+the plan below the flat schedule, measured 0.71-0.95x of it.)
 
 :data:`NODE_PLANS` is the catalog of hierarchical plans by collective. A broadcast below
 ``NODE_BROADCAST_BYTES`` is no candidate (on 3+ nodes broadcast's plan is the cheaper of
