@@ -12,7 +12,9 @@ forced one runs as the socket schedule it names); it takes it where the planner
 flat socket schedule, with the group's cost model (option ``cost_model``: its ``segment``
 and ``socket`` link classes). With the defaults it picks what was measured
 (benchmarks/BENCHMARKS.md, "Node segments on several nodes", 2 + 2 ranks: the plan for
-all_reduce at 4 B, 1 MiB and 64 MiB, for all_gather, and for a broadcast from 1 MiB).
+all_reduce at 4 B, 1 MiB and 64 MiB, for all_gather, and for a broadcast from 1 MiB; "The
+planner": 3 + 1 all_reduce from 8 MiB). A broadcast's plan on 3+ nodes is a star or a tree
+over the nodes, as :func:`raycoll.algorithms.planner.broadcast_tree` prices them.
 
 The node segments are set up inside the first collective that takes the path. Each method
 returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
