@@ -6,7 +6,12 @@ the same actors and the same run (issue 43):
   of the native executor);
 - **old**: the same ranks in a second group with ``transport="tcp"``: the socket schedules the
   cost model picks (every step over Unix sockets inside a node and TCP between nodes), the
-  path every multi-node group took before;
+  path every multi-node group took before; with ``--old ALGO``, instead the group's default
+  transport with the collective forced to the flat socket schedule ``ALGO`` (e.g.
+  ``halving_doubling``: the native executor, every step over sockets), the planner's
+  alternative to the plan; with ``--old '{...}'``, the default transport with that
+  ``cost_model`` option (every cost 0: the plans, broadcast's star over the nodes, where the
+  defaults take the tree from 4 nodes);
 - **gloo**: torch.distributed's gloo in the same actors.
 
 The three alternate in blocks of a few calls, size by size, so load on the machine falls on
@@ -16,7 +21,8 @@ to back** (call after call) and **after a barrier** (each call right after a bar
 same library, as in a loop that computes between collectives).
 
 Usage: ``python benchmarks/node_segment.py [--layout 2+2] [--sizes 4,1M,64M]
-[--op all_reduce|broadcast|all_gather|reduce_scatter] [--iters 200]`` (reduce_scatter:
+[--op all_reduce|reduce|broadcast|all_gather|reduce_scatter] [--iters 200] [--old ALGO]
+[--new-cost-model JSON]`` (reduce_scatter:
 the size is each rank's output piece, list inputs). The Ray nodes are ``ray.cluster_utils.Cluster`` nodes on
 this machine (loopback between them).
 """
@@ -24,6 +30,7 @@ this machine (loopback between them).
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import time
@@ -73,6 +80,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 if lib == "gloo":
                     if op == "all_reduce":
                         dist.all_reduce(x)
+                    elif op == "reduce":
+                        dist.reduce(x, dst=0)
                     elif op == "broadcast":
                         dist.broadcast(x, src=0)
                     elif op == "reduce_scatter":
@@ -83,6 +92,8 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 group = "node-seg-bench-" + lib
                 if op == "all_reduce":
                     raycoll.all_reduce(x, group=group)
+                elif op == "reduce":
+                    raycoll.reduce(x, dst=0, group=group)
                 elif op == "broadcast":
                     raycoll.broadcast(x, src=0, group=group)
                 elif op == "reduce_scatter":  # each rank's piece: the size; its inputs: outs
@@ -120,8 +131,9 @@ def _bench(rank: int, world: int, port: int, op: str, sizes: List[int], iters: i
                 call(lib)
                 got = outs[lib][world - 1] if op == "all_gather" else bufs[lib]
                 want = {"all_reduce": world * (world + 1) / 2, "broadcast": 1.0,
+                        "reduce": world * (world + 1) / 2,  # (the root's; gloo's others: scratch)
                         "all_gather": float(world), "reduce_scatter": world * (world + 1) / 2}[op]
-                if float(got[-1]) != want:
+                if float(got[-1]) != want and (op != "reduce" or rank == 0):
                     raise AssertionError(f"{lib} {op} of {nbytes} B: {float(got[-1])} != {want}")
                 if lib == "new":  # what the group's planner took at this size
                     algos.append(f"{nbytes} B {get_group('node-seg-bench-new').last_route.algorithm}")
@@ -136,8 +148,17 @@ def main() -> None:
     parser.add_argument("--layout", default="2+2", help="ranks per node, e.g. 2+2 or 3+1")
     parser.add_argument("--sizes", default="4,1M,64M")
     parser.add_argument("--op", default="all_reduce",
-                        choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"))
+                        choices=("all_reduce", "reduce", "broadcast", "all_gather",
+                                 "reduce_scatter"))
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--old", default="tcp",
+                        help="old: 'tcp' (transport='tcp'), a flat socket schedule of the "
+                             "op to force on the default transport (e.g. halving_doubling), "
+                             "or a cost_model option as JSON for the default transport (all "
+                             "zeros: broadcast's star)")
+    parser.add_argument("--new-cost-model", default=None,
+                        help="new's cost_model option, as JSON (e.g. a free segment, to have "
+                             "its planner take the plans)")
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -152,9 +173,14 @@ def main() -> None:
     actors = [worker.options(num_cpus=0, resources={f"node{n}": 1}).remote() for n in placement]
     world = len(actors)
     try:
-        raycoll.create_group(actors, group_name="node-seg-bench-new", timeout=120)
+        raycoll.create_group(actors, group_name="node-seg-bench-new", timeout=120,
+                             options={"cost_model": json.loads(args.new_cost_model)}
+                             if args.new_cost_model else None)
+        old = ({"transport": "tcp"} if args.old == "tcp"
+               else {"cost_model": json.loads(args.old)} if args.old.startswith("{")
+               else {f"{args.op}_algo": args.old})
         raycoll.create_group(actors, group_name="node-seg-bench-old", timeout=120,
-                             options={"transport": "tcp"})
+                             options=old)
         sizes = parse_sizes(args.sizes)
         port = _free_port()
         refs = [a.run.remote(_bench, r, (world, port, args.op, sizes, args.iters), {})
@@ -167,7 +193,8 @@ def main() -> None:
         cluster.shutdown()
     print(f"# node_segment: {args.op}, {args.layout} ranks on {len(per_node)} Ray nodes "
           f"(ray.cluster_utils, this machine), float32; median over calls of the slowest "
-          f"rank (us); same actors, same run; new's algorithm: {results[0]['algorithm']}")
+          f"rank (us); same actors, same run; old: {args.old}; new's algorithm: "
+          f"{results[0]['algorithm']}")
     print(f"{'size':>9} {'pattern':>16} {'old us':>10} {'new us':>10} {'gloo us':>10} "
           f"{'new/old':>8} {'x gloo':>7}")
     for nbytes in sizes:

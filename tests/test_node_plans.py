@@ -1,6 +1,7 @@
 """The hierarchical plans (raycoll.algorithms.node_plans) without Ray: every rank's plan run
 by a small model of the executor (a node's segment steps as barriers with two halves a rank,
-socket rounds as messages matched by sender, receiver and step), on layouts a one-machine
+socket rounds as messages matched by sender, receiver and the XFER's step number, as the
+executor's message headers carry it), on layouts a one-machine
 cluster cannot hold (4 + 4, 3 + 2, 2 + 1 + 1, ranks interleaved over nodes): results right,
 every rank's result the same, the local ranks' steps aligned, each message's size the one its
 receiver expects, and the bytes that leave each node."""
@@ -30,7 +31,6 @@ def _run(plans: Sequence[np.ndarray], bufs: List[List[np.ndarray]], nodes: str,
     step = [0] * size
     pc = [0] * size
     posted: Dict[Tuple[int, int, int], List[bytes]] = {}
-    xfers = [0] * size
     sent: Dict[Tuple[int, int], int] = {}
 
     def i64(b: np.ndarray) -> np.ndarray:
@@ -71,7 +71,7 @@ def _run(plans: Sequence[np.ndarray], bufs: List[List[np.ndarray]], nodes: str,
         while i >= 0 and int(ops[i][0]) in (SEND, RECV):
             i -= 1
         recvs = [o for o in ops[i + 1:pc[r]] if int(o[0]) == RECV]
-        return all((int(o[4]), r, xfers[r]) in posted for o in recvs)
+        return all((int(o[4]), r, int(ops[pc[r]][7])) in posted for o in recvs)
 
     waiting: Dict[int, str] = {}
     for _ in range(100_000):
@@ -92,7 +92,9 @@ def _run(plans: Sequence[np.ndarray], bufs: List[List[np.ndarray]], nodes: str,
                                 bytes(bufs[r][int(o[1])][off:off + n]))
                     for peer, parts in by_peer.items():
                         assert nodes[peer] != nodes[r], "sockets only between nodes"
-                        posted[(r, peer, xfers[r])] = parts
+                        key = (r, peer, int(ops[pc[r]][7]))
+                        assert key not in posted, ("two messages of one step", key)
+                        posted[key] = parts
                         sent[(r, peer)] = sent.get((r, peer), 0) + sum(map(len, parts))
                 waiting[r] = state
                 progress = True
@@ -106,13 +108,12 @@ def _run(plans: Sequence[np.ndarray], bufs: List[List[np.ndarray]], nodes: str,
                 for o in ops[i + 1:pc[r]]:
                     if int(o[0]) == RECV:
                         src = int(o[4])
-                        parts = got.setdefault(src, list(posted[(src, r, xfers[r])]))
+                        parts = got.setdefault(src, list(posted[(src, r, int(ops[pc[r]][7]))]))
                         data = parts.pop(0)
                         assert len(data) == int(o[3]), ("message size", src, r, len(data), o)
                         bufs[r][int(o[1])][int(o[2]):int(o[2]) + len(data)] = \
                             np.frombuffer(data, np.uint8)
                 assert all(not p for p in got.values()), "a message part left unread"
-                xfers[r] += 1
                 pc[r] += 1
                 del waiting[r]
                 progress = True
@@ -175,6 +176,43 @@ def test_broadcast_plans_send_each_byte_into_a_node_once(layout, nbytes):
         for r in range(size):
             np.testing.assert_array_equal(bufs[r][0], src, err_msg=f"root {root} rank {r}")
         assert sum(sent.values()) == nbytes * (len(set(nodes)) - 1), sent
+
+
+#: Layouts of 3+ nodes, where broadcast may take the tree over the nodes.
+MANY_NODES = {**{k: v for k, v in LAYOUTS.items() if len(set(v)) > 2},
+              "4x2": "aabbccdd", "5 nodes": "aabcdde", "8x1": "abcdefgh",
+              "3+1+2+1 interleaved": "abacbdca"}
+
+
+@pytest.mark.parametrize("layout", sorted(MANY_NODES))
+@pytest.mark.parametrize("nbytes", [3, 20_001])
+def test_broadcast_trees_reach_every_rank_and_the_roots_node_sends_log2_nodes_times(layout,
+                                                                                     nbytes):
+    """The tree over the nodes' leaders, from every root: every rank gets the root's
+    buffer, each byte enters a node once, and no node sends it more than ceil(log2 nodes)
+    times (the star: the root's node nodes - 1 times)."""
+    nodes = MANY_NODES[layout]
+    size, half = len(nodes), 4096
+    nnodes = len(set(nodes))
+    for root in range(size):
+        plans = [npl.broadcast(nbytes, tuple(nodes), r, root, half, tree=True)
+                 for r in range(size)]
+        src = np.random.default_rng(root).integers(0, 255, nbytes, dtype=np.uint8)
+        bufs = [[src.copy() if r == root else np.zeros(nbytes, np.uint8), np.zeros(0, np.uint8)]
+                for r in range(size)]
+        sent = _run([p.ops for p in plans], bufs, nodes, half)
+        for r in range(size):
+            np.testing.assert_array_equal(bufs[r][0], src, err_msg=f"root {root} rank {r}")
+        assert sum(sent.values()) == nbytes * (nnodes - 1), sent
+        out = {nodes[s]: 0 for s, _ in sent}
+        for (s, _), n in sent.items():
+            out[nodes[s]] += n
+        assert out[nodes[root]] == nbytes * (nnodes - 1).bit_length(), (root, out)
+        assert max(out.values()) <= nbytes * (nnodes - 1).bit_length()
+        for r, p in enumerate(plans):  # the peers it names are the ones it messages
+            assert set(p.sends_to) == {d for (s, d) in sent if s == r}
+            assert set(p.recvs_from) == {s for (s, d) in sent if d == r}
+            assert p.rounds == len(set(p.sends_to)) + len(p.recvs_from)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

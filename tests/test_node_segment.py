@@ -169,7 +169,8 @@ def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, la
         for n in sizes:
             for root in range(w):
                 # (a broadcast under NODE_BROADCAST_BYTES keeps the socket schedule, as a
-                # 3 + 1 reduce where the flat schedule moves fewer bytes)
+                # reduce where the flat schedule's nodes move fewer bytes: 2 + 2's small
+                # plan sends the whole buffer on both rails)
                 wants.append((data(root, (n,), "float32", salt=root),
                               node("broadcast", n * 4, 4, root)))
                 mine = data(rank, (n,), "int64", salt=root)
@@ -181,7 +182,7 @@ def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, la
             gathered = np.concatenate([data(r, (n,), "int64") for r in range(w)])
             wants += [(gathered, True), (gathered, True)]
         assert len(got) == len(wants)
-        assert sum(hier for _, hier in wants) >= len(wants) * 3 // 4, wants  # (plans tested)
+        assert sum(hier for _, hier in wants) >= len(wants) * 2 // 3, wants  # (plans tested)
         for i, ((x, algo), (want, hier)) in enumerate(zip(got, wants)):
             assert (algo == "node_hierarchical") == hier, (layout, rank, i, algo)
             if want.dtype.kind == "f" and want.dtype.itemsize == 8:  # (AVG's sums' order)
@@ -336,3 +337,58 @@ def test_a_timeout_names_the_stalled_rank_on_every_rank(two_nodes, stalled, head
     for rank, res in enumerate(got):
         assert res["type"] == "DistTimeoutError", (rank, res)
         assert f"ranks [{stalled}] never arrived" in res["msg"], (rank, res["msg"])
+
+
+def _broadcast_from_every_root(rank, n):
+    """broadcast of ``n`` float32 from every root: the results, the algorithm and the bytes
+    this rank sent to other nodes, each call."""
+    from raycoll.world import world as the_world
+
+    group = the_world().default
+    out = []
+    for root in range(raycoll.get_world_size()):
+        before = group.counters()["collectives"].get("broadcast", {})
+        x = data(rank, (n,), "float32", salt=root)
+        raycoll.broadcast(x, src=root)
+        after = group.counters()["collectives"]["broadcast"]
+        sent = after["bytes_sent_other_node"] - before.get("bytes_sent_other_node", 0)
+        out.append((x, group.last_route.algorithm, sent))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_on_four_nodes_takes_the_tree_over_the_nodes(two_nodes):
+    """Two more Ray nodes, ranks on nodes 0 1 0 2 3 (interleaved): a 1.2 MB broadcast from
+    every root is right on every rank, on the node plan, and as the tree over the nodes: 3
+    buffers cross between nodes, 2 of them out of the root's node (the star: 3)."""
+    from raycoll.algorithms.planner import broadcast_tree
+
+    extra = [two_nodes.add_node(num_cpus=1, resources={f"node{i}": 8},
+                                object_store_memory=100 * 1024 ** 2) for i in (2, 3)]
+    placement = (0, 1, 0, 2, 3)
+    worker = ray.remote(RankWorker)
+    actors = [worker.options(num_cpus=0, resources={f"node{m}": 1}).remote()
+              for m in placement]
+    n = 300_001  # float32: past NODE_BROADCAST_BYTES
+    try:
+        results = run_on(actors, _broadcast_from_every_root, (n,), timeout=240,
+                         group_name="node-seg-tree",
+                         options={"node_segment_bytes": 65536, "cost_model": SOCKET_BYTES})
+    finally:
+        for a in actors:
+            ray.kill(a)
+        for node in extra:
+            two_nodes.remove_node(node)
+    ids = tuple(str(m) for m in placement)
+    w = len(placement)
+    for root in range(w):  # (the planner's choice with the test's model: the tree)
+        assert broadcast_tree(ids, n * 4, 32768, CostModel.of(SOCKET_BYTES), root)
+        for rank in range(w):
+            x, algo, _ = results[rank][root]
+            assert algo == "node_hierarchical", (root, rank, algo)
+            np.testing.assert_array_equal(x, data(root, (n,), "float32", salt=root),
+                                          err_msg=f"root {root} rank {rank}")
+        sent = [results[rank][root][2] for rank in range(w)]
+        assert sum(sent) == 3 * n * 4, (root, sent)
+        home = [r for r in range(w) if placement[r] == placement[root]]
+        assert sum(sent[r] for r in home) == 2 * n * 4, (root, sent)

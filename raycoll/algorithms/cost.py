@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
 from raycoll.algorithms.catalog import build
 from raycoll.algorithms.schedule import ALGORITHMS, Schedule, check_algorithm
@@ -110,9 +110,28 @@ class CostModel:
         ``oversubscribed``: its ranks outnumber their node's cores (each step costs ``wake``
         more)."""
         total = self.wake * len(schedule.steps) if oversubscribed else 0.0
+        for per_rank, per_link in self._steps(schedule, topology, itemsize, reduces):
+            total += max(max(per_rank.values(), default=0.0),
+                         max(per_link.values(), default=0.0))
+        return total
+
+    def work(self, schedule: Schedule, topology: Topology, itemsize: int,
+             reduces: bool = True) -> Dict[int, float]:
+        """Each rank's seconds of work over all of ``schedule``'s steps (what it sends,
+        receives and reduces, as :meth:`time` prices a step; no waiting): what the ranks
+        of a node sharing its cores add up to (:mod:`raycoll.algorithms.planner`)."""
+        out: Dict[int, float] = {}
+        for per_rank, _ in self._steps(schedule, topology, itemsize, reduces):
+            for rank, t in per_rank.items():
+                out[rank] = out.get(rank, 0.0) + t
+        return out
+
+    def _steps(self, schedule: Schedule, topology: Topology, itemsize: int,
+               reduces: bool) -> Iterator[Tuple[Dict[int, float], Dict[Tuple[int, int], float]]]:
+        """Each step's seconds by rank and by node link (0 out / 1 in, node)."""
         for step in schedule.steps:
             per_rank: Dict[int, float] = {}
-            per_link: Dict[Tuple[int, int], float] = {}  # (0 out / 1 in, node): seconds
+            per_link: Dict[Tuple[int, int], float] = {}
             pairs: Dict[Tuple[int, int], Tuple[int, bool]] = {}
             for t in step:
                 size, red = pairs.get((t.src, t.dst), (0, False))
@@ -127,9 +146,7 @@ class CostModel:
                     into = (1, topology.node_of[dst])
                     per_link[out_of] = per_link.get(out_of, 0.0) + self.nic * nbytes
                     per_link[into] = per_link.get(into, 0.0) + self.nic * nbytes
-            total += max(max(per_rank.values(), default=0.0),
-                         max(per_link.values(), default=0.0))
-        return total
+            yield per_rank, per_link
 
 
 #: Measured here (benchmarks/HISTORY.md, "Many ranks"): a message's fixed cost is mostly

@@ -205,31 +205,52 @@ def _seg_broadcast(ops: List[Op], ranges: Sequence[Range], src: int, li: int, ha
 
 @lru_cache(maxsize=256)
 def broadcast(nbytes: int, node_ids: Tuple[str, ...], rank: int, root: int,
-              half: int) -> NativePlan:
-    """Rank ``rank``'s node-aware broadcast of buffer 0 (``nbytes``) from ``root``: the root
-    sends it once to local rank 0 of every other node (each byte enters a node once), then
-    the root and those ranks hand it to their nodes' ranks over the segment."""
+              half: int, tree: bool = False) -> NativePlan:
+    """Rank ``rank``'s node-aware broadcast of buffer 0 (``nbytes``) from ``root`` (each byte
+    enters a node once): between the nodes' leaders (the root on its node, local rank 0 on
+    the others) a star (``tree`` false: the root sends it to every other leader in one step)
+    or a binomial tree (``tree``: in step ``s`` every leader that has it sends it to the
+    leader ``2 ** s`` nodes on, counted from the root's node: the root's node sends it
+    ceil(log2 nodes) times, not nodes - 1); then each leader hands it to its node's ranks
+    over the segment."""
     lay = layout(node_ids)
     home, li = lay.node_of[rank], lay.local[rank]
-    k = len(lay.nodes[home])
-    leaders = [lay.nodes[m][0] for m in range(len(lay.nodes)) if m != lay.node_of[root]]
+    k, nnodes, top = len(lay.nodes[home]), len(lay.nodes), lay.node_of[root]
+
+    def leader(v: int) -> int:
+        """The leader of the node ``v`` nodes after the root's."""
+        m = (top + v) % nnodes
+        return root if m == top else lay.nodes[m][0]
+
+    v = (home - top) % nnodes
     ops: List[Op] = []
     counts = Counters()
-    peers: List[Tuple[int, int]] = []
-    if rank == root:
-        for leader in leaders:
-            ops.append((SEND, FLAT, 0, nbytes, leader, 0, 0, 0))
-            counts.sent(leader, nbytes, False)
-            peers.append((lay.node_of[leader], leader))
-        ops.append((XFER, 0, 0, 0, 0, 0, 0, 0))
-    elif rank in leaders:
-        ops += [(RECV, FLAT, 0, nbytes, root, 0, 0, 0), (XFER, 0, 0, 0, 0, 0, 0, 0)]
-        counts.received(root, nbytes, False)
-        peers.append((lay.node_of[root], root))
+    sends: List[int] = []
+    recvs: List[int] = []
+    if rank == leader(v):
+        # the step this node receives in (its highest bit), -1: the root's; the star: 0
+        got = (v.bit_length() - 1 if tree else 0) if v else -1
+        steps = (nnodes - 1).bit_length() if tree else min(1, nnodes - 1)
+        for step in range(steps):
+            if step == got:
+                recvs.append(leader(v - (1 << step) if tree else 0))
+                ops.append((RECV, FLAT, 0, nbytes, recvs[-1], 0, 0, 0))
+                counts.received(recvs[-1], nbytes, False)
+            elif step > got:
+                children = [v + (1 << step)] if tree else list(range(1, nnodes))
+                for child in (leader(c) for c in children if c < nnodes):
+                    ops.append((SEND, FLAT, 0, nbytes, child, 0, 0, 0))
+                    counts.sent(child, nbytes, False)
+                    sends.append(child)
+            if ops and ops[-1][0] in (SEND, RECV):
+                ops.append((XFER, 0, 0, 0, 0, 0, 0, step))
     if k > 1:
-        src = lay.local[root] if home == lay.node_of[root] else 0
+        src = lay.local[root] if home == top else 0
         _seg_broadcast(ops, [(FLAT, 0, nbytes)], src, li, half, True)
-    return _plan(ops, 0, peers, counts, sends=rank == root)
+    arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
+    arr.setflags(write=False)
+    counts.rounds = int((arr[:, 0] == XFER).sum())
+    return NativePlan(arr, 0, tuple(sends), tuple(recvs), counts.rounds, counts)
 
 
 def _piece(pieces: bool, j: int, nbytes: int) -> Tuple[int, int]:

@@ -14,12 +14,24 @@ schedules' per-step ``wake`` (a Python step waiting to be scheduled) is not char
 A plan is priced from its operations, rank by rank (:func:`plan_time`): each segment step
 its ``alpha``, each byte through the segment its ``beta`` (a reduction out of the node's
 halves reads every local rank's), each peer a rank sends to in a round one socket ``alpha``,
-each byte sent or received a socket ``beta``, each reduced byte ``gamma``; the plan takes as
-long as its slowest rank (or node link, where ``nic`` is set). A schedule is priced as
-:meth:`CostModel.time` prices it, every link a socket.
+each byte sent or received a socket ``beta``, each reduced byte ``gamma``. A node's ranks
+share its cores (and its memory): the plan takes as long as its slowest rank, or its busiest
+node's ranks' work added up, or its busiest node link (where ``nic`` is set), the longest. A
+schedule is priced alike (:func:`flat_times`): its critical path as :meth:`CostModel.time`
+prices it, every link a socket, or its busiest node's ranks' work added up
+(:meth:`CostModel.work`). Each rank alone, a flat schedule of 3 + 1 ranks looked cheaper than
+the plan past 64 KiB (the schedule spreads the work over the ranks, the plan has one rail
+rank reduce and send the whole buffer), where the plan was measured 1.08-1.59x faster
+than the flat schedule from 8 MiB (benchmarks/BENCHMARKS.md, "The planner"): the three
+ranks of the big node do three ranks' work of the schedule on the cores they share, and
+less than that in the plan (its bytes cross the node once). The sum is the bound of ranks
+that cannot run at once; on nodes with a core to spare for each rank it overprices both
+sides alike, the side with more work the more. (At 1 MiB, one chunk of the plan, it prices
+the plan below the flat schedule, measured 0.71-0.95x of it.)
 
 :data:`NODE_PLANS` is the catalog of hierarchical plans by collective. A broadcast below
-``NODE_BROADCAST_BYTES`` is no candidate: the model prices one call, and back to back the
+``NODE_BROADCAST_BYTES`` is no candidate (on 3+ nodes broadcast's plan is the cheaper of
+two, :func:`broadcast_tree`): the model prices one call, and back to back the
 sockets' root runs ahead of its readers (its sends do not wait for them) while every segment
 step waits for every rank of its node (2 + 2 ranks on a loaded machine: the node plan 0.18x
 the sockets at 4 B, 0.67x at 256 KiB, 1.12x at 1 MiB: benchmarks/BENCHMARKS.md).
@@ -30,14 +42,16 @@ from __future__ import annotations
 from typing import Callable, Dict, Hashable, Sequence, Tuple
 
 from raycoll.algorithms import node_plans
-from raycoll.algorithms.cost import CostModel, predict
+from raycoll.algorithms.catalog import build
+from raycoll.algorithms.cost import CostModel
 from raycoll.algorithms.native_plans import (FINAL, LOCAL, MREDUCE, RECV, SEND, XFER,
                                              NativePlan)
+from raycoll.algorithms.schedule import ALGORITHMS
 from raycoll.algorithms.segment_plans import COPY, REDUCE, SYNC, WRITE
 from raycoll.algorithms.topology import Topology
 
 __all__ = ["NODE_PLAN", "NODE_PLANS", "NODE_BROADCAST_BYTES", "node_plan_time", "plan_time",
-           "node_plan_wins"]
+           "node_plan_wins", "flat_times", "broadcast_tree"]
 
 #: The hierarchical plans' name (``last_route.algorithm``, ``group_status``).
 NODE_PLAN = "node_hierarchical"
@@ -59,6 +73,11 @@ def _reduce_scatter(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize:
 def _broadcast(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
                half: int, root: int) -> NativePlan:
     return node_plans.broadcast(nbytes, node_ids, rank, root, half)
+
+
+def _broadcast_tree(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
+                    half: int, root: int) -> NativePlan:
+    return node_plans.broadcast(nbytes, node_ids, rank, root, half, tree=True)
 
 
 def _all_gather(node_ids: Tuple[str, ...], rank: int, nbytes: int, itemsize: int,
@@ -83,6 +102,7 @@ def plan_time(plans: Sequence[NativePlan], node_ids: Sequence[Hashable],
     local = [sum(1 for n in node_ids if n == node_ids[r]) for r in range(len(node_ids))]
     worst = 0.0
     links: Dict[Tuple[int, Hashable], float] = {}  # (0 out / 1 in, node): bytes across
+    work: Dict[Hashable, float] = {}  # node: its ranks' seconds, added up
     for rank, plan in enumerate(plans):
         t, peers = 0.0, set()
         for code, _buf, _off, n, peer, _a, nodes, _s in plan.ops.tolist():
@@ -109,7 +129,9 @@ def plan_time(plans: Sequence[NativePlan], node_ids: Sequence[Hashable],
             elif code == XFER:
                 peers = set()
         worst = max(worst, t)
-    return max(worst, model.nic * max(links.values(), default=0.0))
+        work[node_ids[rank]] = work.get(node_ids[rank], 0.0) + t
+    return max(worst, max(work.values(), default=0.0),
+               model.nic * max(links.values(), default=0.0))
 
 
 def node_plan_time(collective: str, node_ids: Tuple[str, ...], nbytes: int, itemsize: int,
@@ -117,9 +139,24 @@ def node_plan_time(collective: str, node_ids: Tuple[str, ...], nbytes: int, item
     """The predicted seconds of ``collective``'s hierarchical plan of ``nbytes`` (a rank's
     buffer; reduce_scatter's and all_gather's: the whole) on ``node_ids``, the segment's
     halves ``half`` bytes."""
-    build = NODE_PLANS[collective]
-    plans = [build(node_ids, r, nbytes, itemsize, half, root) for r in range(len(node_ids))]
-    return plan_time(plans, node_ids, model)
+    builds = [NODE_PLANS[collective]]
+    if collective == "broadcast" and len(set(node_ids)) > 2:
+        builds.append(_broadcast_tree)
+    return min(plan_time([build(node_ids, r, nbytes, itemsize, half, root)
+                          for r in range(len(node_ids))], node_ids, model)
+               for build in builds)
+
+
+def broadcast_tree(node_ids: Tuple[str, ...], nbytes: int, half: int, model: CostModel,
+                   root: int = 0) -> bool:
+    """Whether broadcast's plan sends between the nodes as a binomial tree over their
+    leaders (:func:`raycoll.algorithms.node_plans.broadcast`), not a star: 3+ nodes, and
+    the model prices the tree below the star (the same answer on every rank)."""
+    if len(set(node_ids)) < 3:
+        return False
+    star, tree = ([build(node_ids, r, nbytes, 1, half, root) for r in range(len(node_ids))]
+                  for build in (_broadcast, _broadcast_tree))
+    return plan_time(tree, node_ids, model) < plan_time(star, node_ids, model)
 
 
 def _native(model: CostModel) -> CostModel:
@@ -139,8 +176,26 @@ def node_plan_wins(collective: str, node_ids: Tuple[str, ...], nbytes: int, item
     if collective not in NODE_PLANS or nbytes == 0 \
             or collective == "broadcast" and nbytes < NODE_BROADCAST_BYTES:
         return False
-    topology = Topology(node_ids, "unix")
-    # the schedules price a rank's buffer: reduce_scatter's and all_gather's are the whole
-    flat = predict(collective, topology, nbytes, itemsize, _native(model), root)
     return node_plan_time(collective, node_ids, nbytes, itemsize, half, model,
-                          root) <= min(flat.values())
+                          root) <= min(flat_times(collective, node_ids, nbytes, itemsize,
+                                                  model, root).values())
+
+
+def flat_times(collective: str, node_ids: Tuple[str, ...], nbytes: int, itemsize: int,
+               model: CostModel, root: int = 0) -> Dict[str, float]:
+    """The predicted seconds of each flat socket schedule of ``collective`` (``nbytes`` as
+    :func:`node_plan_time` takes it) on ``node_ids``: its critical path
+    (:meth:`CostModel.time`, every link a socket) or its busiest node's ranks' work added
+    up, the longer."""
+    topology = Topology(node_ids, "unix")
+    native = _native(model)
+    out = {}
+    # the schedules price a rank's buffer: reduce_scatter's and all_gather's are the whole
+    for algo in ALGORITHMS[collective]:
+        schedule = build(collective, algo, topology, nbytes // itemsize, root)
+        work: Dict[Hashable, float] = {}
+        for rank, t in native.work(schedule, topology, itemsize).items():
+            work[node_ids[rank]] = work.get(node_ids[rank], 0.0) + t
+        out[algo] = max(native.time(schedule, topology, itemsize),
+                        max(work.values(), default=0.0))
+    return out

@@ -12,7 +12,9 @@ forced one runs as the socket schedule it names); it takes it where the planner
 flat socket schedule, with the group's cost model (option ``cost_model``: its ``segment``
 and ``socket`` link classes). With the defaults it picks what was measured
 (benchmarks/BENCHMARKS.md, "Node segments on several nodes", 2 + 2 ranks: the plan for
-all_reduce at 4 B, 1 MiB and 64 MiB, for all_gather, and for a broadcast from 1 MiB).
+all_reduce at 4 B, 1 MiB and 64 MiB, for all_gather, and for a broadcast from 1 MiB; "The
+planner": 3 + 1 all_reduce from 8 MiB). A broadcast's plan on 3+ nodes is a star or a tree
+over the nodes, as :func:`raycoll.algorithms.planner.broadcast_tree` prices them.
 
 The node segments are set up inside the first collective that takes the path. Each method
 returns ``False`` (nothing done, the same on every rank) where the path is not taken; the
@@ -28,7 +30,8 @@ import numpy as np
 
 from raycoll.algorithms import node_plans
 from raycoll.algorithms.cost import CostModel
-from raycoll.algorithms.planner import NODE_BROADCAST_BYTES, NODE_PLAN, node_plan_wins
+from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLAN, broadcast_tree,
+                                        node_plan_wins)
 from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
@@ -147,8 +150,15 @@ class NodePaths:
         if plane is None:
             return False
         node: NodeSegment = self._node
+        key = ("broadcast_tree", arr.nbytes, 1, src, node.half)
+        tree = self._node_wins.get(key) if self._node_wins is not None else None
+        if tree is None:
+            tree = broadcast_tree(tuple(self.ctx.node_ids), arr.nbytes, node.half,
+                                  self.cost_model, src)
+            if self._node_wins is not None:
+                self._node_wins[key] = tree
         plan = node_plans.broadcast(arr.nbytes, self.ctx.node_ids, self.ctx.rank, src,
-                                    node.half)
+                                    node.half, tree)
         with flat_out(arr) as flat:
             self._node_run(plane, call, plan, flat, ())
         return True
