@@ -310,8 +310,9 @@ def test_a_rank_killed_on_one_node_survivors_shrink_and_a_replacement_grows_it(
 def test_calibrate_on_the_cluster_measures_the_link_between_nodes(machine_before,
                                                                   raycoll_netns):
     """``raycoll-bench --calibrate --address``: its two ranks go to two nodes, so it prices
-    ``tcp`` (and ``socket``, the planner's name for the same measurement) at the shaped link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket
-    inside one node (what it measured before: Ray packed both ranks on one node)."""
+    ``tcp`` (and ``socket``, the planner's name for the same measurement) at the shaped
+    link's rate (1 Gbit/s: 4 ns a byte at each end), not a Unix socket inside one node (what
+    it measured before: Ray packed both ranks on one node)."""
     import json
     import os
     import subprocess
