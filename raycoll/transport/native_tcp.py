@@ -402,6 +402,10 @@ class NativeSockets:
             ctx.fail(failure)
             return failure
         self.tcp.fail_broken()
+        if status == core.IOERR:  # a socket the kernel gave up on (ETIMEDOUT on a link that
+            explained = self.tcp._explained(call)  # crawls, say): the group's first error,
+            if explained is not None:  # where it has one (a timeout elsewhere), is the cause
+                return explained
         detail = {core.GARBLED: f"a garbled frame from rank {ranks[peer]} (its stream does "
                                 "not parse)",
                   core.IOERR: f"a socket call failed (errno {err})",
