@@ -211,21 +211,27 @@ def _wait_then_recv(rank: int, group: str, mark: str) -> Dict[str, Any]:
     return {}
 
 
+def _kill_rank_1_mid_receive(team: List[Any], name: str, tmp_path: Any) -> Dict[str, Any]:
+    """Rank 0 of group ``name`` (over ``team``) waits in a receive from rank 1, whose process
+    is then SIGKILLed: rank 0's outcome (:func:`_wait_then_recv`'s)."""
+    pids = ray.get([a.run.remote(_pid, r, (), {}) for r, a in enumerate(team)], timeout=60)
+    mark = str(tmp_path / "waiting")
+    runs = [a.run.remote(_wait_then_recv, r, (name, mark), {}) for r, a in enumerate(team)]
+    deadline = time.monotonic() + 60
+    while not os.path.exists(mark):
+        assert time.monotonic() < deadline, "rank 0 never began its receive"
+        time.sleep(0.01)
+    time.sleep(0.3)  # rank 0 sleeps in the native wait by now
+    os.kill(pids[1], signal.SIGKILL)
+    return ray.get(runs[0], timeout=90)
+
+
 @pytest.mark.timeout(180)
 def test_a_peer_killed_while_a_rank_waits_in_a_receive_fails_it_naming_the_rank(team, tmp_path):
     name = f"p2pkill-{uuid.uuid4().hex[:6]}"
     raycoll.create_group(team, group_name=name, timeout=120)
     try:
-        pids = ray.get([a.run.remote(_pid, r, (), {}) for r, a in enumerate(team)], timeout=60)
-        mark = str(tmp_path / "waiting")
-        runs = [a.run.remote(_wait_then_recv, r, (name, mark), {}) for r, a in enumerate(team)]
-        deadline = time.monotonic() + 60
-        while not os.path.exists(mark):
-            assert time.monotonic() < deadline, "rank 0 never began its receive"
-            time.sleep(0.01)
-        time.sleep(0.3)  # rank 0 sleeps in the native wait by now
-        os.kill(pids[1], signal.SIGKILL)
-        got = ray.get(runs[0], timeout=90)
+        got = _kill_rank_1_mid_receive(team, name, tmp_path)
         assert got["type"] in ("RankFailedError", "GroupBrokenError"), got
         if got["type"] == "RankFailedError":
             assert got["failed"] == [1], got

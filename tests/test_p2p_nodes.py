@@ -16,8 +16,6 @@ different nodes, so both kinds of pipe keep one set of semantics.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from typing import Any, Dict, List
@@ -27,8 +25,8 @@ import pytest
 import ray
 
 import test_p2p_native
-from test_p2p_native import (_destroy_while_waiting, _mismatch, _short_path_edges, _traffic,
-                             _wait_then_recv)
+from test_p2p_native import (_destroy_while_waiting, _kill_rank_1_mid_receive, _mismatch,
+                             _short_path_edges, _traffic)
 
 import raycoll
 from raycoll.launch import RankWorker, run_on
@@ -135,10 +133,6 @@ def test_the_short_path_across_nodes_keeps_torchs_matching_and_checks(two_nodes)
     assert sender["echo"] == [2.0 * i for i in range(200)]
 
 
-def _pid(rank: int) -> int:
-    return os.getpid()
-
-
 def _recv_nothing(rank: int, group: str) -> Dict[str, Any]:
     x = np.zeros(2)
     raycoll.send(x, dst=1, group=group) if rank == 0 else raycoll.recv(x, src=0, group=group)
@@ -164,16 +158,7 @@ def test_a_killed_peer_and_a_timeout_across_nodes_end_the_receive_with_named_err
                          for r, a in enumerate(team)], timeout=120)[1]
         assert timed["type"] == "DistTimeoutError", timed
         assert "got no message" in timed["msg"] and 2 < timed["took"] < 60, timed
-        pids = ray.get([a.run.remote(_pid, r, (), {}) for r, a in enumerate(team)], timeout=60)
-        mark = str(tmp_path / "waiting")
-        runs = [a.run.remote(_wait_then_recv, r, (name, mark), {}) for r, a in enumerate(team)]
-        deadline = time.monotonic() + 60
-        while not os.path.exists(mark):
-            assert time.monotonic() < deadline, "rank 0 never began its receive"
-            time.sleep(0.01)
-        time.sleep(0.3)  # rank 0 sleeps in the native wait by now
-        os.kill(pids[1], signal.SIGKILL)
-        got = ray.get(runs[0], timeout=90)
+        got = _kill_rank_1_mid_receive(team, name, tmp_path)
         assert got["type"] == "RankFailedError", got
         assert got["failed"] == [1], got
         assert got["took"] < 60, got  # well within the group's timeout (120 s): no hang
