@@ -166,16 +166,24 @@ def test_all_reduce_plans_give_the_sum_on_every_rank(layout, count):
 @pytest.mark.parametrize("nbytes", [3, 5_000, 20_001])
 def test_broadcast_plans_send_each_byte_into_a_node_once(layout, nbytes):
     nodes = LAYOUTS[layout]
-    size, half = len(nodes), 4096
-    for root in range(size):
-        plans = [npl.broadcast(nbytes, tuple(nodes), r, root, half) for r in range(size)]
-        src = np.random.default_rng(root).integers(0, 255, nbytes, dtype=np.uint8)
-        bufs = [[src.copy() if r == root else np.zeros(nbytes, np.uint8), np.zeros(0, np.uint8)]
-                for r in range(size)]
-        sent = _run([p.ops for p in plans], bufs, nodes, half)
-        for r in range(size):
-            np.testing.assert_array_equal(bufs[r][0], src, err_msg=f"root {root} rank {r}")
+    for root in range(len(nodes)):
+        _, sent = _broadcast_from(nodes, nbytes, root, tree=False)
         assert sum(sent.values()) == nbytes * (len(set(nodes)) - 1), sent
+
+
+def _broadcast_from(nodes: str, nbytes: int, root: int,
+                    tree: bool) -> Tuple[List[npl.NativePlan], Dict[Tuple[int, int], int]]:
+    """Every rank's broadcast plan of ``nbytes`` from ``root`` run on the model; every rank
+    checked to hold the root's buffer: the plans, and the bytes sent by (sender, receiver)."""
+    size, half = len(nodes), 4096
+    plans = [npl.broadcast(nbytes, tuple(nodes), r, root, half, tree=tree) for r in range(size)]
+    src = np.random.default_rng(root).integers(0, 255, nbytes, dtype=np.uint8)
+    bufs = [[src.copy() if r == root else np.zeros(nbytes, np.uint8), np.zeros(0, np.uint8)]
+            for r in range(size)]
+    sent = _run([p.ops for p in plans], bufs, nodes, half)
+    for r in range(size):
+        np.testing.assert_array_equal(bufs[r][0], src, err_msg=f"root {root} rank {r}")
+    return plans, sent
 
 
 #: Layouts of 3+ nodes, where broadcast may take the tree over the nodes.
@@ -192,17 +200,9 @@ def test_broadcast_trees_reach_every_rank_and_the_roots_node_sends_log2_nodes_ti
     buffer, each byte enters a node once, and no node sends it more than ceil(log2 nodes)
     times (the star: the root's node nodes - 1 times)."""
     nodes = MANY_NODES[layout]
-    size, half = len(nodes), 4096
     nnodes = len(set(nodes))
-    for root in range(size):
-        plans = [npl.broadcast(nbytes, tuple(nodes), r, root, half, tree=True)
-                 for r in range(size)]
-        src = np.random.default_rng(root).integers(0, 255, nbytes, dtype=np.uint8)
-        bufs = [[src.copy() if r == root else np.zeros(nbytes, np.uint8), np.zeros(0, np.uint8)]
-                for r in range(size)]
-        sent = _run([p.ops for p in plans], bufs, nodes, half)
-        for r in range(size):
-            np.testing.assert_array_equal(bufs[r][0], src, err_msg=f"root {root} rank {r}")
+    for root in range(len(nodes)):
+        plans, sent = _broadcast_from(nodes, nbytes, root, tree=True)
         assert sum(sent.values()) == nbytes * (nnodes - 1), sent
         out = {nodes[s]: 0 for s, _ in sent}
         for (s, _), n in sent.items():
