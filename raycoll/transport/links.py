@@ -273,8 +273,14 @@ class Links:
             old.close()
         self.wake()
 
-    def incoming(self, src: int, purpose: str) -> Optional[socket.socket]:
-        return self._in.get((src, purpose))
+    def incoming(self, src: int, purpose: str, wait_s: float = 0.0) -> Optional[socket.socket]:
+        """Group rank ``src``'s connection to this rank for ``purpose``, if it came, waiting
+        up to ``wait_s`` for it (woken by :meth:`accepted` or :meth:`close`)."""
+        key = (src, purpose)
+        if wait_s > 0 and key not in self._in:
+            with self._lock:
+                self._lock.wait_for(lambda: key in self._in or self._closed, wait_s)
+        return self._in.get(key)
 
     def wake(self) -> None:
         """End a ``select`` waiting here (a new connection came)."""

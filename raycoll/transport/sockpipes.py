@@ -17,9 +17,8 @@ from raycoll.native import core
 
 __all__ = ["open_sock_pipe", "attach_in", "await_in", "sock_failure"]
 
-#: A receive polls for the peer's connection from this up to ``_POLL_MAX_S`` between looks.
-_POLL_MIN_S = 50e-6
-_POLL_MAX_S = 5e-3
+#: A receive waiting for the peer's connection checks the group's health this often.
+_CHECK_S = 0.05
 
 
 def open_sock_pipe(links: Any, peer: int, timeout_s: float) -> Any:
@@ -32,11 +31,12 @@ def open_sock_pipe(links: Any, peer: int, timeout_s: float) -> Any:
     return pipe
 
 
-def attach_in(links: Any, peer: int, pipe: Any) -> bool:
-    """Attach the peer's connection to ``pipe`` if it came: whether it is attached."""
+def attach_in(links: Any, peer: int, pipe: Any, wait_s: float = 0.0) -> bool:
+    """Attach the peer's connection to ``pipe`` if it came (waiting up to ``wait_s`` for it):
+    whether it is attached."""
     if pipe.attached:
         return True
-    sock = links.incoming(peer, "p2p")
+    sock = links.incoming(peer, "p2p", wait_s)
     if sock is None:
         return False
     pipe.attach_in(sock.fileno())
@@ -45,19 +45,20 @@ def attach_in(links: Any, peer: int, pipe: Any) -> bool:
 
 def await_in(links: Any, peer: int, pipe: Any, deadline: float,
              check: Callable[[float], None], timed_out: Callable[[], BaseException]) -> None:
-    """Wait until the peer's connection came (it connects with its first send), calling
-    ``check(waited_s)`` every poll and raising ``timed_out()`` past ``deadline``."""
+    """Wait until the peer's connection came (it connects with its first send; the listener
+    wakes this wait), calling ``check(waited_s)`` at least every ``_CHECK_S`` and raising
+    ``timed_out()`` past ``deadline``."""
     begun = time.monotonic()
-    sleep = _POLL_MIN_S
-    while not attach_in(links, peer, pipe):
+    while True:
+        now = time.monotonic()
+        if attach_in(links, peer, pipe, max(0.0, min(_CHECK_S, deadline - now))):
+            return
         if pipe.closed:
             return  # the next native call says CLOSED
         now = time.monotonic()
         if now > deadline:
             raise timed_out()
         check(now - begun)
-        time.sleep(sleep)
-        sleep = min(2 * sleep, _POLL_MAX_S)
 
 
 def sock_failure(status: int, what: str, me: int, them: int, group: str,
