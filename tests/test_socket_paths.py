@@ -6,6 +6,7 @@ failing on every rank with the pairs named, the group going on."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List
 
 import numpy as np
@@ -160,3 +161,33 @@ def test_all_reduces_short_path_on_sockets_meets_the_full_path_and_counts_alike(
         assert res["mismatch"] is not None and "shape" in res["mismatch"], (rank, res)
         assert res["after"] == [1.0] * 4, (rank, res)
     assert results[0]["fast"] >= 1  # rank 0 ran the short path
+
+
+def _sockets_on_one_core(rank: int, calls: int) -> Dict[str, Any]:
+    import os
+
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})  # both ranks on one core: a spin never helps
+    try:
+        x = np.ones(1, dtype=np.float32)
+        for _ in range(calls):
+            raycoll.all_reduce(x)
+            x[:] = 1.0
+        raycoll.all_reduce(x)
+        native = world().default.context._plane.native
+        return {"sum": float(x[0]), "runs": native._runs, "spun_out": native.spins_failed}
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+@pytest.mark.timeout(180)
+def test_socket_waits_stop_spinning_where_spins_keep_running_out(ranks):
+    """Two ranks on native sockets that the scheduler put on one core: a spin only delays
+    the peer it waits for. The core counts waits whose spin ran out, and spinning backs off,
+    so only a handful of the 300 collectives spin in vain (without the back-off, nearly
+    every one would)."""
+    if os.cpu_count() is not None and os.cpu_count() < 2:  # pragma: no cover - 1-core hosts
+        pytest.skip("the ranks spin only where they fit the host's cores (needs 2)")
+    for res in ranks.run(_sockets_on_one_core, 2, 300, options=TCP, timeout=150):
+        assert res["sum"] == 2.0 and res["runs"] >= 300, res
+        assert 1 <= res["spun_out"] <= 40, res

@@ -83,10 +83,11 @@ for _i, _name in enumerate(("bool", "int8", "uint8", "int16", "uint16", "int32",
 
 #: A peer's connection state as the core keeps it between runs (net.h's ``rc_conn``), one
 #: per peer slot in a buffer its caller owns: a header read ahead, whether the core shut
-#: either connection, and what moved (payload bytes and whole messages, each way, ever).
-CONN_DTYPE = np.dtype([("held", "<u4"), ("pad", "<u4"), ("msg", "V32"), ("in_cut", "<u4"),
-                       ("out_cut", "<u4"), ("sent", "<u8"), ("received", "<u8"),
-                       ("msgs_sent", "<u4"), ("msgs_received", "<u4")])
+#: either connection, waits whose spin ran out on it, and what moved (payload bytes and whole
+#: messages, each way, ever).
+CONN_DTYPE = np.dtype([("held", "<u4"), ("spin_fails", "<u4"), ("msg", "V32"),
+                       ("in_cut", "<u4"), ("out_cut", "<u4"), ("sent", "<u8"),
+                       ("received", "<u8"), ("msgs_sent", "<u4"), ("msgs_received", "<u4")])
 if core is not None and CONN_DTYPE.itemsize != core.CONN_BYTES:  # pragma: no cover - a bug
     raise ImportError(f"CONN_DTYPE is {CONN_DTYPE.itemsize} bytes, rc_conn {core.CONN_BYTES}")
 

@@ -343,6 +343,16 @@ static size_t messages(xfer *x, size_t nops) {
     return n;
 }
 
+/* A wait's spin ran out: count it on the first unfinished message's peer (rc_conn). */
+static void note_spin_fail(xfer *x) {
+    for (size_t i = 0; i < x->nmsgs; i++) {
+        if (x->msgs[i].state != M_DONE) {
+            x->net->conns[x->msgs[i].peer].spin_fails++;
+            return;
+        }
+    }
+}
+
 int rc_net_xfer(rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs,
                 uint32_t step, rc_call *call, int *peer) {
     if (nops == 0) return RC_OK;
@@ -368,6 +378,7 @@ int rc_net_xfer(rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs
     rc_waiter w;
     rc_waiter_start(&w, call);
     uint64_t spin_until = w.start + call->wait.spin_ns;
+    int spun_out = 0;
     for (;;) {
         int progress = 0;
         size_t left = 0;
@@ -381,6 +392,10 @@ int rc_net_xfer(rc_net *net, const int64_t *ops, size_t nops, const rc_buf *bufs
         if (rc_now_ns() < spin_until) {
             rc_cpu_relax();
             continue;
+        }
+        if (call->wait.spin_ns && !spun_out) {
+            spun_out = 1;
+            note_spin_fail(&x);
         }
         rc = wait_ready(&x, &w, pfds, pending);
         if (rc) {

@@ -61,11 +61,15 @@ typedef struct {
 /* What a peer's connections keep between calls (RC_CONN_BYTES each, by peer slot, in a
  * buffer the caller owns): a header read ahead, that belongs to a later call, and whether
  * the executor shut either connection (a message was left mid-way on it, or the group
- * broke): a shut connection is never read or written again (the plan check refuses it). */
+ * broke): a shut connection is never read or written again (the plan check refuses it),
+ * and how often a wait's spin ran out on it. */
 #define RC_CONN_BYTES 72
 typedef struct {
     uint32_t held;    /* 1: msg is the next message's header, already read */
-    uint32_t pad;
+    uint32_t spin_fails; /* waits of a step whose spin ran out while a message with this
+                            peer was unfinished (counted on the first such message's peer,
+                            once per step; wraps: the caller reads differences and backs
+                            off spinning, raycoll.transport.base.SpinBackoff) */
     rc_msg msg;
     uint32_t in_cut;  /* 1: the incoming connection is shut */
     uint32_t out_cut; /* 1: the outgoing connection is shut */

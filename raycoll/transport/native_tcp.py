@@ -35,7 +35,7 @@ from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.schedule import Schedule
 from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
-from raycoll.transport.base import may_spin
+from raycoll.transport.base import SpinBackoff, may_spin
 from raycoll.tensors import dtype_name
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.frames import PeerClosed, PeerLeft
@@ -87,6 +87,11 @@ class NativeSockets:
         spin = 0 if crowded else int(SPIN_S * 1e9)
         self._spinning = (spin, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
         self._no_spin = (0, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
+        #: runs' waits stop spinning a while where spins keep running out (a loaded machine,
+        #: a loop that computes between calls), counted by the core per peer (``spin_fails``)
+        self._backoff = SpinBackoff(bool(spin))
+        self._runs = 0
+        self._spin_fails = 0
         self._call: Optional["Call"] = None
         self._began = 0.0
         #: The descriptors above are this object's own (dups of the links' sockets): closing
@@ -151,6 +156,11 @@ class NativeSockets:
         call = Call("all_reduce", seq, timeout_s, fp)
         self.tcp.run_native(call, plan, arr.reshape(-1), codes, op)
         self.tcp.ctx.note_rounds(call, plan.rounds, algorithm)
+
+    @property
+    def spins_failed(self) -> int:
+        """Runs whose wait spun its whole length without the peer."""
+        return self._backoff.failed
 
     # ------------------------------------------------------------------ connections
     def _connect(self, call: "Call", plan: NativePlan) -> None:
@@ -306,7 +316,8 @@ class NativeSockets:
         factor = float(op.factor or 1.0) if op is not None else 1.0
         divisor = size if op is not None and op.name == "AVG" else 0
         fp = self._fps.hash(call.fp)
-        wait = self._spinning if may_spin() else self._no_spin
+        spinning = may_spin() and self._backoff.spinning(self._runs)
+        wait = self._spinning if spinning else self._no_spin
         try:
             status, peer, err, broke, exc = core.execute(
                 node.seg if node is not None else None, plan.ops,
@@ -316,6 +327,12 @@ class NativeSockets:
                 node.rank_map if node is not None else b"")
         finally:
             self.tcp._waiting = None
+            self._runs += 1
+        if spinning:
+            fails = int(self.conns["spin_fails"].sum())
+            if fails != self._spin_fails:
+                self._spin_fails = fails
+                self._backoff.spun_out(self._runs)
         if status:
             got = (node.failed(self.tcp.ctx, self.tcp, call, status, peer)
                    if node is not None and node.seg is not None and not self._closed else None)
