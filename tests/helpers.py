@@ -307,3 +307,24 @@ def sanitize() -> str:
     from raycoll.native import core
 
     return core.SANITIZE if core is not None else "(no native core)"
+
+
+def all_reduces_on_one_core(calls: int, stats: Any) -> Any:
+    """``calls`` + 1 all_reduces of 1.0 on this rank pinned to the machine's first core (two
+    ranks pinned alike share it: a spinning wait never helps), then ``stats(sum)``."""
+    import os
+
+    import raycoll
+
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        x = np.ones(1, dtype=np.float32)
+        for _ in range(calls):
+            raycoll.all_reduce(x)
+            x[:] = 1.0
+        raycoll.all_reduce(x)
+        return stats(float(x[0]))
+    finally:
+        os.sched_setaffinity(0, cores)
+

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import raycoll
+from helpers import all_reduces_on_one_core
 from raycoll.native import core, native_status
 from raycoll.world import world
 
@@ -164,20 +165,11 @@ def test_all_reduces_short_path_on_sockets_meets_the_full_path_and_counts_alike(
 
 
 def _sockets_on_one_core(rank: int, calls: int) -> Dict[str, Any]:
-    import os
-
-    cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(cores)})  # both ranks on one core: a spin never helps
-    try:
-        x = np.ones(1, dtype=np.float32)
-        for _ in range(calls):
-            raycoll.all_reduce(x)
-            x[:] = 1.0
-        raycoll.all_reduce(x)
+    def stats(total: float) -> Dict[str, Any]:
         native = world().default.context._plane.native
-        return {"sum": float(x[0]), "runs": native._runs, "spun_out": native.spins_failed}
-    finally:
-        os.sched_setaffinity(0, cores)
+        return {"sum": total, "runs": native._runs, "spun_out": native.spins_failed}
+
+    return all_reduces_on_one_core(calls, stats)
 
 
 @pytest.mark.timeout(180)
