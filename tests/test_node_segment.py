@@ -6,6 +6,8 @@ one-call path; a killed rank on either node failing every survivor within second
 
 from __future__ import annotations
 
+import os
+
 import time
 
 import numpy as np
@@ -162,7 +164,9 @@ def test_broadcast_reduce_reduce_scatter_and_all_gather_node_aware(two_nodes, la
     model = CostModel.of(SOCKET_BYTES)
 
     def node(collective, nbytes, itemsize, root):  # the planner's choice, the test's model
-        return node_plan_wins(collective, ids, nbytes, itemsize, 32768, model, root)
+        # (the Ray nodes share this machine: its cores, NodePaths._machines)
+        return node_plan_wins(collective, ids, nbytes, itemsize, 32768, model, root,
+                              os.cpu_count() or 1, ("host",) * w)
 
     for rank, got in enumerate(results):
         wants = []
