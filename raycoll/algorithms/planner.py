@@ -14,20 +14,30 @@ schedules' per-step ``wake`` (a Python step waiting to be scheduled) is not char
 A plan is priced from its operations, rank by rank (:func:`plan_time`): each segment step
 its ``alpha``, each byte through the segment its ``beta`` (a reduction out of the node's
 halves reads every local rank's), each peer a rank sends to in a round one socket ``alpha``,
-each byte sent or received a socket ``beta``, each reduced byte ``gamma``. A node's ranks
+each byte sent or received a socket ``beta``, each reduced byte ``gamma``. A machine's ranks
 share its cores (and its memory): the plan takes as long as its slowest rank, or its busiest
-node's ranks' work added up, or its busiest node link (where ``nic`` is set), the longest. A
+machine's ranks' work spread over ``min(its ranks, its cores)`` cores
+(:func:`busiest_cores`), or its busiest node link (where ``nic`` is set), the longest. A
 schedule is priced alike (:func:`flat_times`): its critical path as :meth:`CostModel.time`
-prices it, every link a socket, or its busiest node's ranks' work added up
-(:meth:`CostModel.work`). Each rank alone, a flat schedule of 3 + 1 ranks looked cheaper than
-the plan past 64 KiB (the schedule spreads the work over the ranks, the plan has one rail
-rank reduce and send the whole buffer), where the plan was measured 1.08-1.59x faster
-than the flat schedule from 8 MiB (benchmarks/BENCHMARKS.md, "The planner"): the three
-ranks of the big node do three ranks' work of the schedule on the cores they share, and
-less than that in the plan (its bytes cross the node once). The sum is the bound of ranks
-that cannot run at once; on nodes with a core to spare for each rank it overprices both
-sides alike, the side with more work the more. (At 1 MiB, one chunk of the plan, it prices
-the plan below the flat schedule, measured 0.71-0.95x of it.)
+prices it, every link a socket, or its busiest machine's work so spread
+(:meth:`CostModel.work`). The caller says what the machines are (``hosts``: a rank's
+machine, by default its node) and their ``cores`` (1 by default: a machine's ranks' work
+added up): the cpu backend passes the Ray nodes' ``CPU`` resources where each node is a
+machine, and one host of ``os.cpu_count()`` cores where Ray nodes share one
+(:mod:`raycoll.backends.node_paths`). Each rank alone, a flat schedule of 3 + 1 ranks looked
+cheaper than the plan past 64 KiB (the schedule spreads the work over the ranks, the plan
+has one rail rank reduce and send the whole buffer), where the plan was measured 1.08-1.59x
+faster than the flat schedule from 8 MiB (benchmarks/BENCHMARKS.md, "The planner"): the
+three ranks of the big node do three ranks' work of the schedule on the cores they share,
+and less than that in the plan (its bytes cross the node once). On a machine with a core
+for each rank, the work spreads: each side costs its critical path.
+
+One case runs serially, whatever the cores: a reduction of one chunk (one round between the
+nodes: nothing pipelined) past ``SMALL_BYTES`` on a node whose rails are fewer than its
+ranks (3 + 1 at 1 MiB): the node's ranks write, wait while its rail rank reduces the node's
+halves and exchanges the whole chunk, and wait again for its result; the other node waits on
+that rail. Such a plan costs every rank's work added up (:func:`_serial`). Without it, the
+plan was priced below the flat schedule at 1 MiB, and measured 0.71-0.95x of it.
 
 :data:`NODE_PLANS` is the catalog of hierarchical plans by collective. A broadcast below
 ``NODE_BROADCAST_BYTES`` is no candidate (on 3+ nodes broadcast's plan is the cheaper of
