@@ -204,7 +204,9 @@ def main(argv: List[str]) -> int:
            f"raycoll native: {raycoll.native_status()}", header]
     print("\n".join(out), flush=True)
     for nodes in sorted({len(layout) for layout in layouts}):
-        cpus = max(max(layout) for layout in layouts if len(layout) == nodes)
+        # each node's Ray CPUs: the cores the planner reads for it (NodePaths._machines);
+        # unpinned, the nodes share this machine's: each its share
+        cpus = max(1, (os.cpu_count() or 1) // nodes)
         with NetnsCluster(nodes, rate=rates[0], cpus=cpus,
                           pin=pin_lists(args.pin, nodes)) as cluster:
             ray.init(address=cluster.address, log_to_driver=False)
