@@ -24,8 +24,7 @@ backend then takes its other paths.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import (TYPE_CHECKING, AbstractSet, Any, Dict, Hashable, Iterator, Optional,
-                    Sequence, Tuple)
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,7 +36,6 @@ from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
 from raycoll.reduce_op import ReduceOp
-from raycoll.transport.cores import node_cores, on_one_host
 from raycoll.transport.node_segment import (NodeSegment, node_segment_possible,
                                             set_up_node_segment)
 from raycoll.transport.segment import _half_bytes
@@ -61,12 +59,12 @@ class NodePaths:
     _node: Any = None
     #: the planner's answers: (collective, bytes, itemsize, root, half) -> the plan wins
     _node_wins: Optional[Dict[Tuple[str, int, int, int, int], bool]] = None
-    #: the planner's machines and their cores (:meth:`_machines`), once known
-    _cores: Optional[Tuple[Tuple[Hashable, ...], Cores]] = None
 
     if TYPE_CHECKING:  # (ScheduledAlgorithms's, later in the backend's bases)
         def algorithm(self, collective: str, nbytes: int, itemsize: int,
                       root: int = 0) -> str: ...
+
+        def _machines(self) -> Tuple[Tuple[Hashable, ...], Cores]: ...
 
     def _node_plane(self, call: Call, collective: str, nbytes: int, itemsize: int,
                     root: int = 0) -> Any:
@@ -103,18 +101,6 @@ class NodePaths:
                 collective, tuple(self.ctx.node_ids), nbytes, itemsize, half,
                 self.cost_model, root, cores, hosts)
         return wins
-
-    def _machines(self) -> Tuple[Tuple[Hashable, ...], Cores]:
-        """Each rank's machine and the machines' cores, as every rank sees them alike: Ray
-        nodes on one host share its CPUs (``os.cpu_count``); nodes on their own machines
-        have their Ray ``CPU`` resource (1 where Ray does not say)."""
-        if self._cores is None:
-            ctx = self.ctx
-            if on_one_host(ctx):
-                self._cores = (("host",) * ctx.size, node_cores())
-            else:
-                self._cores = (tuple(ctx.node_ids), _ray_cpus(set(ctx.node_ids)))
-        return self._cores
 
     def _reduce_plane(self, call: Call, collective: str, out: np.ndarray, nbytes: int,
                       op: ReduceOp, root: int = 0) -> Any:
@@ -239,14 +225,3 @@ def _copy(arr: np.ndarray) -> Iterator[np.ndarray]:
     """A flat copy of ``arr`` (what a rank other than a reduce's root reduces in)."""
     yield np.array(flat_in(arr)).reshape(-1)
 
-
-def _ray_cpus(nodes: AbstractSet[str]) -> Dict[Hashable, int]:
-    """The ``CPU`` resource of each of Ray's ``nodes`` (by node id; 1 where unknown)."""
-    import ray
-
-    try:
-        listed = {n["NodeID"]: n.get("Resources", {}).get("CPU", 1)
-                  for n in ray.nodes() if n["NodeID"] in nodes}
-    except Exception:  # noqa: BLE001 - no GCS to ask: the former rule (one core a node)
-        listed = {}
-    return {node: max(1, int(listed.get(node, 1))) for node in nodes}
