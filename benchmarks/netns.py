@@ -14,6 +14,13 @@ Needs root, ``ip`` and ``tc`` (see docs/topology-testing.md). Run:
     sudo python benchmarks/netns.py                     # the default matrix
     python benchmarks/netns.py --layouts 4+4 --rates 1gbit --sizes 64M --ops all_reduce
     python benchmarks/netns.py --layouts 2+2 --ops all_reduce,send_recv --pattern after-barrier
+    python benchmarks/netns.py --layouts 1+1 --pin auto  # ranks that fit their node's cores
+
+``--pin``: each node's processes on CPUs of their own (``taskset``; ``auto``: node i on CPU
+i-1, round robin over this machine's; or one CPU list a node, ``/``-separated: ``0/1``), its
+Ray ``CPU`` resource their count: a layout with no more ranks a node than its CPUs is then
+"ranks that fit their node's cores", the case real clusters have. Each rank's CPUs are
+printed under the header.
 """
 
 from __future__ import annotations
@@ -89,12 +96,22 @@ def _per_node(cluster: NetnsCluster, before: Dict[int, int], calls: int) -> int:
     return max(after[i] - before[i] for i in after) // max(1, calls)
 
 
+def _affinity(rank: int) -> List[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
 def run_layout(cluster: NetnsCluster, layout: List[int], rates: List[str], sizes: List[int],
                ops: List[str], out: List[str], pattern: str = "back-to-back") -> None:
     placement = [i + 1 for i, n in enumerate(layout) for _ in range(n)]
     world = len(placement)
     options = [cluster.actor_options(node) for node in placement]
     actors = [ray.remote(RankWorker).options(**o).remote() for o in options]
+    if cluster.pin:
+        cpus = ray.get([a.run.remote(_affinity, 0, (), {}) for a in actors], timeout=600)
+        line = "# ranks' CPUs: " + ", ".join(f"rank {r} (node {n}): {c}" for r, (n, c)
+                                             in enumerate(zip(placement, cpus)))
+        print(line, flush=True)
+        out.append(line)
     group = f"netns-{uuid.uuid4().hex[:6]}"
     raycoll.create_group(actors, group_name=group, timeout=600)
     gloo = GlooPeer()
@@ -152,6 +169,15 @@ def parse_matrix(args: Any, what: str
             args.ops.split(","))
 
 
+def pin_lists(pin: Optional[str], nodes: int) -> Optional[List[str]]:
+    """``--pin``'s CPU lists for ``nodes`` nodes (None: not pinned)."""
+    if not pin:
+        return None
+    if pin == "auto":
+        return [str(i % (os.cpu_count() or 1)) for i in range(nodes)]
+    return pin.split("/")
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="2+2,4+4", help="ranks per node, e.g. 2+2,4+4")
@@ -161,6 +187,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--pattern", choices=PATTERNS, default="back-to-back",
                         help="each timed call back to back, after an untimed barrier, or "
                              "after a 1 ms pause (raycoll-bench's --pattern)")
+    parser.add_argument("--pin", default=None,
+                        help="each node on CPUs of its own: 'auto' (node i on CPU i-1) or "
+                             "one taskset CPU list a node, '/'-separated (e.g. 0/1)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
     matrix = parse_matrix(args, "netns benchmark")
@@ -175,8 +204,11 @@ def main(argv: List[str]) -> int:
            f"raycoll native: {raycoll.native_status()}", header]
     print("\n".join(out), flush=True)
     for nodes in sorted({len(layout) for layout in layouts}):
-        cpus = max(max(layout) for layout in layouts if len(layout) == nodes)
-        with NetnsCluster(nodes, rate=rates[0], cpus=cpus) as cluster:
+        # each node's Ray CPUs: the cores the planner reads for it (NodePaths._machines);
+        # unpinned, the nodes share this machine's: each its share
+        cpus = max(1, (os.cpu_count() or 1) // nodes)
+        with NetnsCluster(nodes, rate=rates[0], cpus=cpus,
+                          pin=pin_lists(args.pin, nodes)) as cluster:
             ray.init(address=cluster.address, log_to_driver=False)
             try:
                 for layout in layouts:

@@ -76,6 +76,29 @@ def _tc(*args: str) -> None:
         raise RuntimeError(f"tc {' '.join(args)} failed: {proc.stderr.strip()}")
 
 
+def _cpu_lists(pin: Sequence[str], nodes: int) -> List[List[int]]:
+    """``pin`` (one ``taskset`` CPU list a node: ``"0"``, ``"0,2"``, ``"0-3"``) as CPU
+    numbers, each one this machine has."""
+    if isinstance(pin, str) or len(pin) != nodes:
+        raise ValueError(f"pin: expected one CPU list for each of the {nodes} nodes, "
+                         f"got {pin!r}")
+    have = os.cpu_count() or 1
+    out = []
+    for text in pin:
+        cpus: List[int] = []
+        try:
+            for part in str(text).split(","):
+                lo, _, hi = part.partition("-")
+                cpus += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            cpus = []
+        if not cpus or min(cpus) < 0 or max(cpus) >= have:
+            raise ValueError(f"pin: expected CPU lists like '0', '0,2' or '0-1' of CPUs in "
+                             f"0..{have - 1}, got {text!r}")
+        out.append(sorted(set(cpus)))
+    return out
+
+
 def _bits_per_s(rate: Rate) -> Optional[int]:
     """``"1gbit"``, ``"500mbit"``, ``"100kbit"`` or bits per second; None: not shaped."""
     if rate is None:
@@ -272,7 +295,10 @@ class NetnsCluster:
 
     ``nodes``: how many worker nodes; ``rate``: each link's rate (``"1gbit"``, ``"10gbit"``,
     bits per second, or None for unshaped), or one rate per node; ``cpus``: each worker's
-    logical CPUs; ``node_dead_after_s``: how long Ray's health check lets a silent node live
+    logical CPUs; ``pin``: one CPU list a node (``taskset``'s, e.g. ``["0", "1"]``), whose
+    processes (its ``ray start``, so its raylet and every worker it starts) then run on those
+    CPUs only, its ``CPU`` resource their count (ranks that fit their node's cores: one rank a
+    node on a core of its own); ``node_dead_after_s``: how long Ray's health check lets a silent node live
     (long by default, so that a link taken down and brought back keeps its node);
     ``env``: more environment for every node's processes. Use as a context manager, or call
     :meth:`start` and :meth:`shutdown`.
@@ -280,9 +306,11 @@ class NetnsCluster:
 
     def __init__(self, nodes: int = 2, rate: Union[Rate, Sequence[Rate]] = "1gbit", cpus: int = 4,
                  object_store_memory: int = 300 * 1024 ** 2, node_dead_after_s: float = 120.0,
-                 env: Optional[Dict[str, str]] = None) -> None:
+                 env: Optional[Dict[str, str]] = None,
+                 pin: Optional[Sequence[str]] = None) -> None:
         if not isinstance(nodes, int) or not 1 <= nodes <= 200:
             raise ValueError(f"nodes must be an int in 1..200, got {nodes!r}")
+        self.pin: Optional[List[List[int]]] = None if pin is None else _cpu_lists(pin, nodes)
         rates = list(rate) if isinstance(rate, (list, tuple)) else [rate] * nodes
         if len(rates) != nodes:
             raise ValueError(f"rate must be one rate or {nodes} rates, got {len(rates)}")
@@ -387,10 +415,13 @@ class NetnsCluster:
         env.update(self.extra_env)
         return env
 
-    def _ray_start(self, ns: Optional[str], args: List[str], env: Dict[str, str]) -> None:
+    def _ray_start(self, ns: Optional[str], args: List[str], env: Dict[str, str],
+                   cpus: Optional[List[int]] = None) -> None:
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         cmd = [ray_bin if os.path.exists(ray_bin) else "ray", "start", *args,
                "--disable-usage-stats", f"--object-store-memory={self.object_store_memory}"]
+        if cpus:
+            cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
         if ns:
             cmd = ["ip", "netns", "exec", ns, *cmd]
         # a head's start took 41 s to over 120 s on a loaded machine (2 cores, load 30-40)
@@ -410,10 +441,13 @@ class NetnsCluster:
                                "--resources=" + json.dumps({"netns_head": 1})],
                         self._env(self.bridge))
         for node in self.nodes:
+            cpus = self.pin[node.index - 1] if self.pin else None
             self._ray_start(node.namespace, [
                 f"--address={self.address}", f"--node-ip-address={node.address}",
-                f"--num-cpus={self.cpus}", f"--labels={LABEL}={node.index}",
-                "--resources=" + json.dumps({node.resource: 1000})], self._env(node.ifname))
+                f"--num-cpus={len(cpus) if cpus else self.cpus}",
+                f"--labels={LABEL}={node.index}",
+                "--resources=" + json.dumps({node.resource: 1000})], self._env(node.ifname),
+                cpus)
         self.wait_for_nodes()
 
     def wait_for_nodes(self, timeout_s: float = 60.0) -> None:
@@ -509,6 +543,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="worker nodes (default 2)")
     parser.add_argument("--rate", default="1gbit", help="each link's rate (default 1gbit)")
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs per worker node")
+    parser.add_argument("--pin", default=None,
+                        help="one taskset CPU list a node, separated by '/': e.g. 0/1")
     parser.add_argument("--sweep", action="store_true",
                         help="only remove clusters whose owner is gone, then exit")
     args = parser.parse_args(argv)
@@ -517,7 +553,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     # SIGTERM (kill, timeout) tears down as Ctrl-C does: Python's default would skip it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with NetnsCluster(args.nodes, rate=args.rate, cpus=args.cpus) as cluster:
+    pin = args.pin.split("/") if args.pin else None
+    with NetnsCluster(args.nodes, rate=args.rate, cpus=args.cpus, pin=pin) as cluster:
         print(f"ray.init(address={cluster.address!r})  # nodes: "
               + ", ".join(f"{n.namespace} {n.address}" for n in cluster.nodes), flush=True)
         try:

@@ -154,13 +154,36 @@ def test_calibrate_prints_a_cost_model_a_group_accepts(ray_local: None,
     printed = capsys.readouterr().out
     assert status == 0, printed
     model = json.loads(printed.strip().splitlines()[-1])
-    assert set(model) == {"unix", "socket", "gamma"}  # one node: two ranks, a Unix socket
+    from raycoll.native import core
+
+    # one node: two ranks, a Unix socket; and two ranks on the node segment (the core's)
+    assert set(model) == {"unix", "socket", "gamma"} | ({"segment"} if core else set())
     assert model["socket"] == model["unix"]  # (native sockets: the planner's class)
+    if core:
+        assert model["segment"]["alpha"] > 0 and model["segment"]["beta"] >= 0
     assert model["unix"]["alpha"] > 0 and model["unix"]["beta"] >= 0 and model["gamma"] > 0
     assert GroupOptions.of({"cost_model": model}).cost_model == model
     assert CostModel.of(model).links["unix"].alpha == model["unix"]["alpha"]
     rows = [r for r in printed.splitlines() if r.startswith("#")]
     assert "cost_model" in rows[-1]
+
+
+def test_segment_beta_solves_the_plans_price_for_the_time_measured() -> None:
+    """``--calibrate``'s segment class: the beta that prices the 2-rank streamed all_reduce
+    at a time is the beta that time was priced with."""
+    from raycoll.algorithms import segment_plans
+    from raycoll.algorithms.cost import CostModel
+    from raycoll.algorithms.planner import plan_time
+    from raycoll.bench.calibrate import SEGMENT_PROBE_BYTES, segment_beta
+
+    n, half, one_step = SEGMENT_PROBE_BYTES, 2 << 20, 64 << 10
+    plans = [segment_plans.all_reduce(n // 4, 4, 2, me, half, one_step) for me in range(2)]
+    for cores in (1, 2):
+        model = CostModel.of({"segment": {"alpha": 5e-6, "beta": 0.2e-9}, "gamma": 0.1e-9})
+        seconds = plan_time(plans, ("n", "n"), model, cores)  # type: ignore[arg-type]
+        got = segment_beta(seconds, n, 5e-6, 0.1e-9, half, one_step, cores)
+        assert got == pytest.approx(0.2e-9)
+    assert segment_beta(0.0, n, 5e-6, 0.1e-9, half, one_step, 2) == 0.0  # never below 0
 
 
 @pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ from raycoll.algorithms import node_plans
 from raycoll.algorithms.catalog import build
 from raycoll.algorithms.cost import DEFAULT, CostModel
 from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLANS, broadcast_tree,
-                                        flat_times, node_plan_time, node_plan_wins,
-                                        plan_time)
+                                        busiest_cores, flat_times, node_plan_time,
+                                        node_plan_wins, plan_time)
 from raycoll.algorithms.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,7 @@ def test_the_defaults_take_the_measured_all_reduce_plan_at_3_plus_1(nbytes):
 CHOICES = {
     (TWO_TWO, "all_reduce"): "PPPP", (TWO_TWO, "reduce_scatter"): "-PPP",
     (TWO_TWO, "all_gather"): "-PPP", (TWO_TWO, "broadcast"): "ffPP",
-    (THREE_ONE, "all_reduce"): "PPPP", (THREE_ONE, "reduce_scatter"): "-PPP",
+    (THREE_ONE, "all_reduce"): "PPPP", (THREE_ONE, "reduce_scatter"): "-PfP",
     (THREE_ONE, "all_gather"): "-PPP", (THREE_ONE, "broadcast"): "ffPP",
     (TWO_ONE_ONE, "all_reduce"): "PPff", (TWO_ONE_ONE, "all_gather"): "-PPP",
     (TWO_ONE_ONE, "broadcast"): "ffPP",
@@ -57,7 +57,8 @@ CHOICES = {
 
 @pytest.mark.parametrize("ids,collective", sorted(CHOICES))
 def test_the_defaults_choices_by_layout(ids, collective):
-    """2 + 2 and 3 + 1 take every plan (as measured, broadcast from 1 MiB); 2 + 1 + 1 and
+    """2 + 2 and 3 + 1 take every plan (as measured, broadcast from 1 MiB; 3 + 1
+    reduce_scatter's 1 MiB is one serial chunk: :func:`test_one_serial_chunk_costs_every_ranks_work`); 2 + 1 + 1 and
     4 nodes of 2 exchange the whole buffer between every two nodes in all_reduce's plan, more
     than a ring's bytes from 1 MiB or 4 nodes; 4 nodes of 1 rank have no segment to share."""
     got = "".join("-" if size < 16 and collective in ("reduce_scatter", "all_gather") else
@@ -172,3 +173,65 @@ def test_on_shared_node_links_the_tree_halves_the_roots_nodes_bytes_out():
     assert node_plan_time("broadcast", FOUR_TWOS, nbytes, 1, HALF, model) == \
         pytest.approx(2 * nbytes * 1e-9)
     assert broadcast_tree(FOUR_TWOS, nbytes, HALF, model)
+
+
+#: Ray nodes on one machine of 2 cores (this project's; ``NodePaths._machines``): one host.
+ONE_HOST = {"cores": 2, "hosts": ("host",) * 4}
+
+
+@pytest.mark.parametrize("nbytes,plan", [(1 << 20, False), (8 << 20, True), (64 << 20, True)])
+def test_3_plus_1_all_reduce_on_one_host_takes_what_measured_faster(nbytes, plan):
+    """3 + 1 ranks on two Ray nodes of one 2-core machine (benchmarks/BENCHMARKS.md, "The
+    planner"): the flat socket schedule measured faster at 1 MiB (the plan one serial chunk),
+    the plan from 8 MiB; the planner, given the machine's cores, picks those."""
+    assert node_plan_wins("all_reduce", THREE_ONE, nbytes, 4, HALF, DEFAULT,
+                          **ONE_HOST) is plan
+
+
+def test_busiest_cores_spreads_a_machines_work_over_its_cores():
+    work = [3.0, 3.0, 3.0, 1.0]
+    assert busiest_cores(work, THREE_ONE, 1) == pytest.approx(9.0)  # one core: added up
+    assert busiest_cores(work, THREE_ONE, 2) == pytest.approx(4.5)
+    assert busiest_cores(work, THREE_ONE, 64) == pytest.approx(3.0)  # a core a rank
+    assert busiest_cores(work, THREE_ONE, {"a": 3, "b": 1}) == pytest.approx(3.0)
+    assert busiest_cores(work, ("h",) * 4, 2) == pytest.approx(5.0)  # nodes sharing a host
+    for bad in (0, True, {"a": 0}):
+        with pytest.raises(ValueError, match="cores: expected an int >= 1"):
+            busiest_cores(work, THREE_ONE, bad)
+
+
+@pytest.mark.parametrize("ids", [TWO_TWO, THREE_ONE, FOUR_TWOS])
+def test_ranks_that_fit_their_cores_cost_their_critical_path(ids):
+    """Nodes with a core a rank (a real cluster): a flat schedule costs its critical path and
+    a plan its slowest rank (no node's work added up), each at most what it costs on one
+    core a node."""
+    cores = {n: len(ids) for n in ids}
+    topology = Topology(ids, "unix")
+    native = CostModel({k: DEFAULT.links["socket"] for k in DEFAULT.links}, DEFAULT.gamma)
+    for nbytes in (1 << 20, 64 << 20):
+        spread = flat_times("all_reduce", ids, nbytes, 4, DEFAULT, cores=cores)
+        summed = flat_times("all_reduce", ids, nbytes, 4, DEFAULT)
+        for algo, t in spread.items():
+            schedule = build("all_reduce", algo, topology, nbytes // 4, 0)
+            assert t == pytest.approx(native.time(schedule, topology, 4))
+            assert t <= summed[algo]
+        plans = [node_plans.all_reduce(nbytes // 4, 4, ids, r, HALF, False)
+                 for r in range(len(ids))]
+        assert plan_time(plans, ids, DEFAULT, cores) <= plan_time(plans, ids, DEFAULT)
+
+
+def test_one_serial_chunk_costs_every_ranks_work():
+    """A reduction of one chunk whose node funnels through fewer rails than ranks (3 + 1,
+    1 MiB) runs its stages one after the other: priced at every rank's work added up (what
+    one core for all of them costs), however many cores; 2 + 2 (a rail a rank) and 3 + 1
+    pipelined (8 MiB) are not."""
+    def times(ids, nbytes):
+        plans = [node_plans.all_reduce(nbytes // 4, 4, ids, r, HALF, False)
+                 for r in range(len(ids))]
+        return (plan_time(plans, ids, DEFAULT, 64),
+                plan_time(plans, ids, DEFAULT, 1, ("h",) * len(ids)))
+    spread, summed = times(THREE_ONE, 1 << 20)
+    assert spread == pytest.approx(summed)
+    for ids, nbytes in ((TWO_TWO, 1 << 20), (THREE_ONE, 8 << 20)):
+        spread, summed = times(ids, nbytes)
+        assert spread < summed / 1.5

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Hashable, Optional, Tuple
 
 import numpy as np
 
 from raycoll.algorithms.catalog import PIPELINED, build
 from raycoll.algorithms.cost import CostModel, choose
+from raycoll.algorithms.planner import Cores, flat_times
 from raycoll.algorithms.schedule import ALGORITHMS, Schedule
 from raycoll.algorithms.topology import Topology
 from raycoll.options import SCHEDULED
 from raycoll.reduce_op import ReduceOp
-from raycoll.transport.cores import on_one_host, oversubscribed
+from raycoll.transport.cores import group_machines, on_one_host, oversubscribed
 
 __all__ = ["ScheduledAlgorithms"]
 
@@ -62,18 +63,34 @@ class ScheduledAlgorithms:
             self.forced[collective] = algo if algo in ALGORITHMS[collective] else None
         self._schedules_made: "OrderedDict[Tuple[Any, ...], Schedule]" = OrderedDict()
         self._choices: "OrderedDict[Tuple[Any, ...], str]" = OrderedDict()
+        self._group_machines: Optional[Tuple[Tuple[Hashable, ...], Cores]] = None
+
+    def _machines(self) -> Tuple[Tuple[Hashable, ...], Cores]:
+        """The group's machines and their cores (:func:`raycoll.transport.cores.group_machines`,
+        asked once)."""
+        if self._group_machines is None:
+            self._group_machines = group_machines(self.ctx)
+        return self._group_machines
 
     def algorithm(self, collective: str, nbytes: int, itemsize: int, root: int = 0) -> str:
         """The algorithm this group runs ``collective`` of ``nbytes`` a rank with (the same
-        on every rank): the forced one, else the cost model's minimum."""
+        on every rank): the forced one, else the cost model's minimum; on several nodes, the
+        planner's (:func:`raycoll.algorithms.planner.flat_times`: the native executor's costs,
+        the machines' cores), the one that priced the hierarchical plan against it."""
         forced = self.forced.get(collective)
         if forced is not None:
             return forced
         key = (collective, nbytes, itemsize, root)
         algo = self._choices.get(key)
         if algo is None:
-            algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model, root,
-                          oversubscribed=self.oversubscribed)
+            if self.ctx.single_node:
+                algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model,
+                              root, oversubscribed=self.oversubscribed)
+            else:
+                hosts, cores = self._machines()
+                times = flat_times(collective, tuple(self.ctx.node_ids), nbytes, itemsize,
+                                   self.cost_model, root, cores, hosts)
+                algo = min(times, key=lambda a: (times[a], list(times).index(a)))
             self._remember(self._choices, key, algo)
             logger.debug("group %r: %s of %d bytes on %s: %s", self.ctx.group_name, collective,
                          nbytes, self.topology.ranks_per_node, algo)

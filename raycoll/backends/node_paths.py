@@ -24,14 +24,14 @@ backend then takes its other paths.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
 from raycoll.algorithms import node_plans
 from raycoll.algorithms.cost import CostModel
-from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLAN, broadcast_tree,
-                                        node_plan_wins)
+from raycoll.algorithms.planner import (NODE_BROADCAST_BYTES, NODE_PLAN, Cores,
+                                        broadcast_tree, node_plan_wins)
 from raycoll.algorithms.flat import flat_in, flat_out
 from raycoll.context import Call, GroupContext
 from raycoll.native import core, dtype_code, op_code
@@ -64,6 +64,8 @@ class NodePaths:
         def algorithm(self, collective: str, nbytes: int, itemsize: int,
                       root: int = 0) -> str: ...
 
+        def _machines(self) -> Tuple[Tuple[Hashable, ...], Cores]: ...
+
     def _node_plane(self, call: Call, collective: str, nbytes: int, itemsize: int,
                     root: int = 0) -> Any:
         """The group's sockets and node segments if ``collective`` of ``nbytes`` takes the
@@ -94,9 +96,10 @@ class NodePaths:
         if wins is None:
             if len(self._node_wins) > 256:
                 self._node_wins.clear()
+            hosts, cores = self._machines()
             wins = self._node_wins[key] = node_plan_wins(
                 collective, tuple(self.ctx.node_ids), nbytes, itemsize, half,
-                self.cost_model, root)
+                self.cost_model, root, cores, hosts)
         return wins
 
     def _reduce_plane(self, call: Call, collective: str, out: np.ndarray, nbytes: int,
@@ -153,8 +156,9 @@ class NodePaths:
         key = ("broadcast_tree", arr.nbytes, 1, src, node.half)
         tree = self._node_wins.get(key) if self._node_wins is not None else None
         if tree is None:
+            hosts, cores = self._machines()
             tree = broadcast_tree(tuple(self.ctx.node_ids), arr.nbytes, node.half,
-                                  self.cost_model, src)
+                                  self.cost_model, src, cores, hosts)
             if self._node_wins is not None:
                 self._node_wins[key] = tree
         plan = node_plans.broadcast(arr.nbytes, self.ctx.node_ids, self.ctx.rank, src,
@@ -220,3 +224,4 @@ def _reduces(arr: np.ndarray, op: ReduceOp) -> bool:
 def _copy(arr: np.ndarray) -> Iterator[np.ndarray]:
     """A flat copy of ``arr`` (what a rank other than a reduce's root reduces in)."""
     yield np.array(flat_in(arr)).reshape(-1)
+

@@ -166,6 +166,7 @@ class _Ray:
         self.cluster: Any = None
         self.started = False
         self.spread = opts.spread
+        self.one_node = opts.one_node
         self.nodes = max(1, opts.nodes)
         most = max(opts.world_sizes)
         if ray.is_initialized():
@@ -210,14 +211,15 @@ class _Ray:
         """The ``.options()`` of rank ``rank``'s actor."""
         if self.cluster is not None:
             return {"num_cpus": 0, "resources": {_NODE_SLOT: 1}}
-        if self.spread:
-            # rank r on the r-th live node, round robin (Ray's "SPREAD" is a hint: with 0
-            # CPUs a rank asks for, it packed both of --calibrate's on one node at times)
+        if self.spread or self.one_node:
+            # rank r on the r-th live node, round robin, or all on the first (Ray's "SPREAD"
+            # is a hint: with 0 CPUs a rank asks for, it packed both of --calibrate's on one
+            # node at times)
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
             return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-                nodes[rank % len(nodes)], soft=False)}
+                nodes[0 if self.one_node else rank % len(nodes)], soft=False)}
         return {"num_cpus": 0}
 
     def peer_options(self) -> Dict[str, Any]:

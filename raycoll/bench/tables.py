@@ -177,6 +177,9 @@ class Options:
     #: on a cluster joined with ``address`` (or this process's Ray): rank r on the r-th live
     #: node, round robin, not where Ray packs them (``--calibrate`` measures a link)
     spread: bool = False
+    #: every rank on the first live node (by node id), where Ray might spread them
+    #: (``--calibrate``'s ``segment`` class: its two ranks on one node)
+    one_node: bool = False
 
 
 
