@@ -188,8 +188,3 @@ def plan_exchange(rank: int, sends: Sequence[Piece], recvs: Sequence[Piece],
     arr.setflags(write=False)
     return NativePlan(arr, 0, tuple(dict.fromkeys(p for p, *_ in sends)),
                       tuple(dict.fromkeys(p for p, *_ in recvs)), rounds, counts)
-
-
-def staged_bytes(plan: Optional[NativePlan]) -> int:
-    """The scratch a plan needs (0 without one)."""
-    return plan.scratch if plan is not None else 0

@@ -419,9 +419,3 @@ class NativeSockets:
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
-
-
-def native_sockets_possible(ctx: Any, peers: Sequence[int]) -> bool:
-    """Whether a group on direct connections runs its schedules natively: every rank has
-    the native core."""
-    return core is not None and bool(ctx.native) and len(peers) > 0

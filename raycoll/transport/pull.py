@@ -223,11 +223,6 @@ class RecvPool:
         self._idle_bytes = 0
         self.reused = 0
 
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes the pool holds, unused."""
-        return self._idle_bytes
-
     def take(self, nbytes: int) -> np.ndarray:
         """A flat uint8 array of ``nbytes`` (rounded up to 2 MiB underneath)."""
         size = -(-max(nbytes, 1) // _HUGE) * _HUGE

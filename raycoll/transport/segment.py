@@ -243,9 +243,6 @@ class SegmentLane(RoundTransport):
         self._off_diagonal = ~np.eye(ctx.size, dtype=bool)
 
     # ------------------------------------------------------------------ running a plan
-    def _wait_policy(self) -> Tuple[int, int, int, int]:
-        return self._policy if may_spin() else self._no_spin
-
     def run(self, call: "Call", plan: plans.Plan, bufs: Sequence[Any], dtype: int = 0,
             op: int = 0, factor: float = 1.0, divisor: int = 0, first: bool = True,
             fp: Optional[bytes] = None) -> None:
@@ -567,12 +564,6 @@ def _bounded(cache: Dict[Any, Any], most: int = 256) -> Dict[Any, Any]:
 def _bytes(arr: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a contiguous array (any dtype: the plans count bytes)."""
     return arr.reshape(-1).view(np.uint8) if arr.size else _EMPTY
-
-
-
-
-
-
 
 
 def _exchange_plan(nbytes: int) -> plans.Plan:
