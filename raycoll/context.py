@@ -234,19 +234,15 @@ class GroupContext:
                                     call.timeout_s, where=self.ctx(call))
 
     # ------------------------------------------------------------------ the round transport
-    def gather_round(self, call: Call, payload: Any, sub: int = 0,
-                     views: bool = False) -> Optional[List[Any]]:
-        """Every rank's small Python ``payload`` for round ``sub`` of ``call`` (by group rank)
-        through the group's node segment (a join round's sequence numbers), or ``None`` when
-        this group has none (then use :meth:`exchange`); ``views``: see
-        :meth:`raycoll.transport.base.RoundTransport.all_gather`. Every rank must make the
-        same calls here for the same collective. Round 0 decides (and sets up) the
-        transport."""
+    def gather_round(self, call: Call, seq: Optional[int]) -> Optional[List[Optional[int]]]:
+        """Every rank's join sequence number ``seq`` for ``call`` (by group rank) through the
+        group's node segment, or ``None`` when this group has none (then use
+        :meth:`exchange`). Decides (and sets up) the transport if ``call`` is the first."""
         plane = self._set_up(call)
         if not getattr(plane, "is_segment", False):
             return None
-        self._note(call, 1, None)
-        return plane.all_gather(call, payload, sub, views)
+        seqs: List[Optional[int]] = plane.gather_seqs(call, seq)
+        return seqs
 
     def _set_up(self, call: Call) -> Any:
         """The group's round transport, set up inside ``call`` if this is its first use."""
@@ -371,11 +367,6 @@ class GroupContext:
             return "store"
         return str(self._plane.kind)
 
-    def transport_reject(self, call: Call, message: str) -> None:
-        """This rank rejected its arguments for ``call``: tell the transport's readers now."""
-        if self._plane:
-            self._plane.reject(call, message)
-
     def transport_report(self, wait_s: float = 0.0) -> None:
         """Send the coordinator what this rank's transport knows of every rank's progress
         (waiting up to ``wait_s`` for it to be taken)."""
@@ -390,8 +381,8 @@ class GroupContext:
 
     @property
     def transport_active(self) -> bool:
-        """Whether this group's node segment is set up, which carries rounds of Python
-        payloads (:meth:`gather_round`; the same on every rank between collectives)."""
+        """Whether this group's node segment is set up, which carries the join rounds
+        (:meth:`gather_round`; the same on every rank between collectives)."""
         return bool(getattr(self._plane, "is_segment", False))
 
     @property

@@ -291,21 +291,6 @@ def test_a_peer_whose_data_is_still_unread_counts_as_closed_once_it_closed():
             sock.close()
 
 
-def test_a_frame_held_in_memory_decodes_to_its_message():
-    """The lane writes small messages as one frame of bytes (the direct transport's
-    framing): the message comes back whole, its arrays equal and of their dtype and shape."""
-    from raycoll.transport.frames import decode_frame, encode_round
-
-    arr = np.arange(12, dtype=np.int16).reshape(3, 4)
-    message = ("msg", "epoch", (7, 1), {"op": "all_reduce"}, [arr, None, (arr[:, 1], b"x")])
-    kind, epoch, key, fp, payload = decode_frame(b"".join(encode_round(message)))
-    assert (kind, epoch, key, fp) == message[:4]
-    assert payload[0].dtype == np.int16 and payload[0].shape == (3, 4)
-    np.testing.assert_array_equal(payload[0], arr)
-    np.testing.assert_array_equal(payload[2][0], arr[:, 1])
-    assert payload[1] is None and payload[2][1] == b"x"
-
-
 def _fallback_warnings(rank: int, name: str) -> Any:
     """Two all_reduces, each on a new subgroup of group ``name`` (the first in this process
     warns, the next does not), with the warnings each raised and where the data went."""

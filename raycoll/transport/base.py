@@ -6,8 +6,7 @@ reports for ``group_status``, the spin policy, and the failure path.
 running :mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
 dead rank, an abort or a timeout ends the wait with the coordinator's error; see
 ``Coordinator.transport_check``), the timeout naming the ranks that never arrived, and a
-rank's progress told to the coordinator at most once a period. The node segment also carries
-rounds of Python payloads (:meth:`RoundTransport.all_gather`: a join round's sequence numbers).
+rank's progress told to the coordinator at most once a period.
 
 A collective that runs while its caller goes on computing (``async_op=True``, on the group's
 worker thread, until someone waits for its ``Work``: see :func:`overlapping`) never spins:
@@ -25,7 +24,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from raycoll import errors
 from raycoll.coordinator.client import CHECK_TIMEOUT_S, PENDING_TIMEOUT_S, CoordinatorUnreachableError
@@ -35,7 +33,7 @@ from raycoll.transport.counters import Counters
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["RoundTransport", "SpinBackoff", "own", "overlapping", "may_spin", "await_explanation",
+__all__ = ["RoundTransport", "SpinBackoff", "overlapping", "may_spin", "await_explanation",
            "report_period_s", "segment_failure"]
 
 
@@ -127,16 +125,6 @@ class SpinBackoff:
         return self.on
 
 
-def own(value: Any) -> Any:
-    """A copy of a received payload that pins no transport buffer."""
-    if isinstance(value, np.ndarray):
-        return np.array(value)
-    if isinstance(value, (list, tuple)):
-        copied = [own(v) for v in value]
-        return type(value)(copied) if isinstance(value, list) else tuple(copied)
-    return value
-
-
 def segment_failure(transport: "RoundTransport", call: "Call", seg: Any, status: int,
                     peer: int, ranks: Sequence[int],
                     broken: Callable[[], None]) -> Optional[BaseException]:
@@ -222,16 +210,6 @@ class RoundTransport:
         self.failure_grace_s = FAILURE_GRACE_S
 
     # ------------------------------------------------------------------ hooks
-    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
-                    dests: Optional[Sequence[int]] = None,
-                    sources: Optional[Sequence[int]] = None) -> List[Any]:
-        """One round of Python payloads (the node segment has them: :meth:`all_gather`)."""
-        raise TypeError(f"the {self.name} has no rounds of Python payloads")
-
-    def reject(self, call: "Call", message: str) -> None:
-        """This rank rejected its arguments for ``call``: its peers learn it from the
-        coordinator (a transport may tell them sooner)."""
-
     def _shut(self) -> None:
         """Close after a failure, so that a rank arriving late fails too."""
 
@@ -239,27 +217,6 @@ class RoundTransport:
         """Release what the transport holds at the end of the group."""
 
     # ------------------------------------------------------------------ the collective
-    def all_gather(self, call: "Call", payload: Any, sub: int = 0, views: bool = False,
-                   dests: Optional[Sequence[int]] = None,
-                   sources: Optional[Sequence[int]] = None) -> List[Any]:
-        """Every rank's ``payload`` for round ``sub`` of ``call``, by group rank (ours as
-        given). ``views=True``: peers' arrays may be read-only views of the transport's
-        buffers, valid until this rank's next round on it (drop every reference by then).
-        ``dests``/``sources``: only these group ranks."""
-        try:
-            return self._all_gather(call, payload, sub, views, dests, sources)
-        except (errors.CollectiveMismatchError, errors.PeerArgumentError):
-            raise  # the call failed on every rank alike; the group goes on
-        except BaseException:
-            # The group is broken (timeout, dead rank, abort): close, so that a rank arriving
-            # late fails instead of completing with the messages we left.
-            self._poisoned = True
-            try:
-                self._shut()
-            except Exception:  # noqa: BLE001 - best effort: the coordinator knows
-                pass
-            raise
-
     def tally(self, op: str) -> Counters:
         """The counters of collective kind ``op`` (made on first use)."""
         tally = self.counters.get(op)

@@ -1,6 +1,8 @@
 """Direct connections of a group on this rank: where this process listens, the hello that
-admits a connection to its group, and :class:`Links`, one group's connections by peer and
-purpose (see :mod:`raycoll.transport.tcp` for the whole design).
+admits a connection to its group, the goodbye that closes one, and :class:`Links`, one
+group's connections by peer and purpose (see :mod:`raycoll.transport.tcp` for the whole
+design). The native core carries everything between the two (collectives' messages:
+``raycoll/native/net.h``; point-to-point's: ``raycoll/native/sockpipe.h``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from raycoll import errors
-from raycoll.transport.frames import (
-    BYE,
-    FrameError,
-    PeerClosed,
-    PeerLeft,
-    Writer,
-    encode_round,
-)
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import GroupContext
@@ -32,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["listen_address", "listener", "tcp_possible", "Links", "Out", "peer_failure",
-           "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S", "CLOSED_GRACE_S"]
+           "PeerClosed", "PeerLeft", "GOODBYE", "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S",
+           "CLOSED_GRACE_S"]
 
 IFNAME_ENV = "RAYCOLL_SOCKET_IFNAME"
 #: ``RAYCOLL_UNIX_SOCKETS=0``: peers on one node connect over TCP too.
@@ -50,6 +45,24 @@ HELLO_TIMEOUT_S = 10.0
 CLOSED_GRACE_S = 1.0
 #: poll() events that say a connection's other end is closed.
 _CLOSED_EVENTS = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+#: What a rank writes on each of its connections as it closes them, destroying its group or
+#: finding it broken: the two bytes the native core takes for a goodbye (``RC_FOREIGN_0``,
+#: ``RC_FOREIGN_1`` in ``raycoll/native/net.h``), shorter than any message header, so that a
+#: peer still reading learns that this rank left (``PeerLeft``), not that it died.
+GOODBYE = b"RC"
+
+
+class HelloError(ConnectionError):
+    """A connection's hello that does not parse, or names another group, secret or rank."""
+
+
+class PeerClosed(ConnectionError):
+    """The peer's end of a connection closed without a goodbye: its process is gone."""
+
+
+class PeerLeft(ConnectionError):
+    """The peer closed the connection after its goodbye: it destroyed its group, or found
+    it broken."""
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -135,7 +148,7 @@ class _Listener:
             raw = _recv_exact(conn, _HELLO.size)
             magic, secret, src, purpose, name_len = _HELLO.unpack(raw)
             if magic != _HELLO_MAGIC or purpose >= len(_PURPOSES) or name_len > 4096:
-                raise FrameError("not a raycoll hello")
+                raise HelloError("not a raycoll hello")
             key = _recv_exact(conn, name_len).decode()
             deadline = time.monotonic() + HELLO_TIMEOUT_S
             with self._lock:
@@ -144,7 +157,7 @@ class _Listener:
                 links = self._groups.get(key)
             if links is None or not hmac.compare_digest(secret, links.secret) \
                     or not 0 <= src < links.size or src == links.rank:
-                raise FrameError("wrong group, secret or rank")
+                raise HelloError("wrong group, secret or rank")
             conn.settimeout(None)
             conn.setblocking(False)
             _tune(conn)
@@ -468,9 +481,9 @@ class Links:
             return False
         return False
 
-    def close(self, goodbye: str = BYE) -> None:
-        """Close every connection, first telling the peers why (``"bye"``: the group was
-        destroyed here; ``"abort"``: it is broken)."""
+    def close(self) -> None:
+        """Close every connection, first saying goodbye (:data:`GOODBYE`): the group was
+        destroyed here, or found broken."""
         with self._lock:
             if self._closed:
                 return
@@ -484,7 +497,7 @@ class Links:
             self._listener.unregister(self)
         for out in outs:
             try:  # best effort: a peer still reading learns we left, not died
-                Writer(encode_round(goodbye)).push(out.sock)
+                out.sock.send(GOODBYE)
             except OSError:
                 pass
         for sock in socks:
@@ -516,11 +529,9 @@ def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Opt
             f"rank {me} without a goodbye: {'its process' if len(who) == 1 else 'their processes'}"
             " died; the group is broken", failed_ranks=who, **ctx)
     if isinstance(exc, PeerLeft) and src is not None:
-        did = ("left the group (destroyed it)" if exc.why == BYE
-               else "found the group broken and closed its connections")
         return errors.GroupBrokenError(
-            f"{where}: rank {global_ranks[src]} {did} while rank {me} still needed it; the "
-            "group is broken", **ctx)
+            f"{where}: rank {global_ranks[src]} left the group (destroyed it, or found it "
+            f"broken) while rank {me} still needed it; the group is broken", **ctx)
     return errors.GroupBrokenError(
         f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
         "the group is broken", **ctx)

@@ -38,8 +38,7 @@ from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
 from raycoll.transport.base import may_spin
 from raycoll.tensors import dtype_name
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
-from raycoll.transport.frames import PeerClosed, PeerLeft
-from raycoll.transport.links import peer_failure
+from raycoll.transport.links import PeerClosed, PeerLeft, peer_failure
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.reduce_op import ReduceOp
@@ -390,7 +389,7 @@ class NativeSockets:
             return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status in (core.PEER_CLOSED, core.FOREIGN):
             closed: BaseException = (
-                PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
+                PeerLeft(f"rank {ranks[peer]} closed the connection")
                 if status == core.FOREIGN
                 else PeerClosed(f"rank {ranks[peer]} closed the connection"))
             suspects = self.tcp.links.suspects(peer, closed)

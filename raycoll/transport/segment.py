@@ -48,10 +48,9 @@ from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
-from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own,
+from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin,
                                     segment_failure)
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
-from raycoll.transport.frames import decode_frame, encode_round
 from raycoll.transport.cores import oversubscribed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -192,8 +191,7 @@ def _all_mapped(seg: Any, size: int) -> bool:
 
 
 class SegmentLane(RoundTransport):
-    """A group's node segment on this rank: the native collectives, and rounds of Python
-    payloads (:meth:`all_gather`) for what has no native plan."""
+    """A group's node segment on this rank: the native collectives."""
 
     name = "node segment"
     kind = "lane"
@@ -380,35 +378,6 @@ class SegmentLane(RoundTransport):
         self.ctx.fail(err)
         return err
 
-    # ------------------------------------------------------------------ rounds of payloads
-    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
-                    dests: Optional[Sequence[int]] = None,
-                    sources: Optional[Sequence[int]] = None) -> List[Any]:
-        frame = b"".join(encode_round(("msg", "segment", (call.seq, sub), call.fp, payload)))
-        if len(frame) + 8 > self.half:
-            raise errors.TensorSizeError(
-                f"{call.op} #{call.seq}: a round of {len(frame)} bytes does not fit the node "
-                f"segment's {self.half}-byte halves (group option node_segment_bytes)")
-        head = np.array([len(frame)], dtype=np.int64)
-        self.run(call, _exchange_plan(len(frame)), (head, frame), first=sub == 0)
-        parity = self.seg.step & 1
-        out: List[Any] = []
-        for r in range(self.ctx.size):
-            if r == self.ctx.rank:
-                out.append(payload)
-                continue
-            at = self.seg.half_offset(r, parity)
-            n = int(np.frombuffer(self._mem[at:at + 8], dtype=np.int64)[0])
-            message = decode_frame(self._mem[at + 8:at + 8 + n])
-            out.append(message[4] if views else own(message[4]))
-        return out
-
-    def reject(self, call: "Call", message: str) -> None:
-        """This rank rejected its arguments for ``call``: it takes no step for it. Its peers
-        learn it from the coordinator, or from this rank's next call on the segment (they
-        meet it at a step with a later call, and fail theirs: see ``compare_info`` in
-        ``raycoll/native/segment.c``)."""
-
     def _shut(self) -> None:
         self._broken()
 
@@ -508,6 +477,13 @@ class SegmentLane(RoundTransport):
     def run_barrier(self, call: "Call") -> None:
         self.run(call, plans.barrier(), ())
 
+    def gather_seqs(self, call: "Call", seq: Optional[int]) -> List[Optional[int]]:
+        """Every rank's ``seq`` (a join round's sequence number, ``None`` for a rank still
+        with inputs), by group rank: one all_gather of a word a rank."""
+        out = np.empty(self.ctx.size, dtype=np.int64)
+        self.run_all_gather(call, np.array([-1 if seq is None else seq], np.int64), out, -1)
+        return [None if s < 0 else int(s) for s in out.tolist()]
+
     def run_all_to_all(self, call: "Call", bufs: Sequence[np.ndarray],
                        sends: Sequence[plans.Piece], recvs: Sequence[plans.Piece]) -> None:
         """all_to_all: ``sends[j]`` (buffer id, offset, bytes; ids from 1, indexing
@@ -564,10 +540,4 @@ def _bounded(cache: Dict[Any, Any], most: int = 256) -> Dict[Any, Any]:
 def _bytes(arr: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a contiguous array (any dtype: the plans count bytes)."""
     return arr.reshape(-1).view(np.uint8) if arr.size else _EMPTY
-
-
-def _exchange_plan(nbytes: int) -> plans.Plan:
-    """One step carrying a length (8 bytes) and a frame of ``nbytes`` (buffers 0 and 1)."""
-    return plans._plan([plans.write(0, 0, 8, 0), plans.write(1, 0, nbytes, 8),
-                        plans.sync(first=True)])
 

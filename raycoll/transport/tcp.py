@@ -26,8 +26,8 @@ round trip and more bandwidth across nodes than a compiled-graph channel or a cr
   and the coordinator (which learns of the death from the rank's lease) names the rank
   (``RankFailedError``). Destroying a group closes its sockets.
 
-The modules: :mod:`raycoll.transport.frames` (the frames of rounds and goodbyes),
-:mod:`raycoll.transport.links` (addresses, the listener, the hello, a group's connections),
+The modules: :mod:`raycoll.transport.links` (addresses, the listener, the hello and the
+goodbye, a group's connections),
 :mod:`raycoll.transport.native_tcp` (the
 native executor's runs) and this one (:class:`TcpTransport`, what a group's collectives on
 sockets hold: the links, the native runs, the coordinator's checks and the counters); the
@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from raycoll.transport.base import RoundTransport
 from raycoll.transport.cores import host_ranks, oversubscribed
-from raycoll.transport.frames import ABORT
 from raycoll.transport.links import (
     CLOSED_GRACE_S,
     IFNAME_ENV,
@@ -93,7 +92,7 @@ class TcpTransport(RoundTransport):
             pass
 
     def _shut(self) -> None:
-        self.links.close(ABORT)  # broken: the peers must fail too
+        self.links.close()  # broken: the peers must fail too
 
     def close(self) -> None:
         self.native.close()
