@@ -304,7 +304,7 @@ class GroupContext:
         sockets = self._transports.sockets if self._transports is not None else None
         return {
             "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
-            "sockets": sockets("coll") + sockets("ncoll") if sockets else 0,
+            "sockets": sockets("ncoll") if sockets else 0,
             "p2p_sockets": sockets("p2p") if sockets else 0,
             "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
         }

@@ -280,7 +280,7 @@ def test_a_peer_whose_data_is_still_unread_counts_as_closed_once_it_closed():
         for src in (1, 2):
             mine, theirs = socket.socketpair()
             theirs.sendall(b"frame" * 1000)
-            links.accepted(src, "coll", mine)
+            links.accepted(src, "ncoll", mine)
             ends[src] = theirs
         assert links.closed_peers() == []
         ends.pop(1).close()

@@ -36,7 +36,7 @@ _HELLO_MAGIC = b"RCL1"
 _SECRET_BYTES = 16
 #: magic, secret, sender rank, purpose, group-name length
 _HELLO = struct.Struct(f"!4s{_SECRET_BYTES}sIBH")
-_PURPOSES = ("coll", "p2p", "ncoll")
+_PURPOSES = ("p2p", "ncoll")
 #: A hello must arrive this fast, and its group be known here within this long.
 HELLO_TIMEOUT_S = 10.0
 #: A closed connection waits this long for the coordinator to explain it before its peer
@@ -236,14 +236,11 @@ def tcp_possible(ctx: "GroupContext") -> bool:
 
 # ---------------------------------------------------------------------------- connections
 class Out:
-    """An outgoing connection, written in the order its messages were posted."""
+    """An outgoing connection (the native core writes it: collectives' messages, or a
+    socket pipe's)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.turn = threading.Condition()
-        self.next_ticket = 0
-        self.serving = 0
-        self.broken: Optional[BaseException] = None
 
 
 class Links:
@@ -290,35 +287,24 @@ class Links:
         return self._in.get((src, purpose))
 
     def wake(self) -> None:
-        """End a ``select`` waiting here (a new connection came)."""
+        """End a :meth:`wait` (a new connection came)."""
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
 
-    def wait(self, read: Sequence[socket.socket], write: Sequence[socket.socket],
-             seconds: float) -> None:
-        """Until one of ``read`` is readable, one of ``write`` writable, a new connection
-        comes, or ``seconds`` pass."""
+    def wait(self, seconds: float) -> None:
+        """Until a new connection comes, or ``seconds`` pass."""
         if self._closed:
             time.sleep(seconds)
             return
-        # poll, not select: no limit on descriptor numbers (select fails from 1024 on)
-        masks: Dict[int, int] = {self._wake_r.fileno(): select.POLLIN}
         try:
-            for sock in read:
-                fd = sock.fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLIN
-            for sock in write:
-                fd = sock.fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLOUT
             poller = select.poll()
-            for fd, mask in masks.items():
-                poller.register(fd, mask)
+            poller.register(self._wake_r.fileno(), select.POLLIN)
             ready = poller.poll(max(0.0, seconds) * 1000.0)
-        except (OSError, ValueError):  # a socket closed under us: the next read says why
+        except (OSError, ValueError):  # closed under us: the caller's next look says why
             return
-        if any(fd == self._wake_r.fileno() for fd, _ in ready):
+        if ready:
             try:
                 while self._wake_r.recv(4096):
                     pass
@@ -330,7 +316,7 @@ class Links:
         """The connection to group rank ``dst`` for ``purpose`` (connecting if needed)."""
         with self._lock:
             out = self._out.get((dst, purpose))
-            if out is not None and out.broken is None:
+            if out is not None:
                 return out
             if self._closed:
                 raise PeerClosed(f"group {self.key!r} is closed on this rank")
@@ -376,8 +362,7 @@ class Links:
                 return found
             for peer in peers:
                 out = self._out.get((peer, purpose))
-                if out is not None and out.broken is None and _open(out.sock) \
-                        and check("out", peer):
+                if out is not None and _open(out.sock) and check("out", peer):
                     found.append(("out", peer))
                 sock = self._in.get((peer, purpose))
                 if sock is not None and _open(sock) and check("in", peer):
@@ -411,13 +396,6 @@ class Links:
                     self._in[(peer, purpose)] = conn
             self.adopted += len(conns)
             self._lock.notify_all()
-
-    def drop(self, dst: int, purpose: str, out: Out) -> None:
-        """Close an outgoing connection whose stream is no longer whole."""
-        with self._lock:
-            if self._out.get((dst, purpose)) is out:
-                del self._out[(dst, purpose)]
-        out.sock.close()
 
     def sockets(self, purpose: Optional[str] = None) -> int:
         """How many connections this rank holds in the group (for ``purpose`` only, if

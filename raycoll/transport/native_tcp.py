@@ -176,7 +176,7 @@ class NativeSockets:
             if now >= next_check:
                 self.tcp.check(call, missing, now - self._began)
                 next_check = now + 0.5
-            links.wait([], [], 0.01)
+            links.wait(0.01)
 
     def _own(self, table: np.ndarray, slot: int, sock: socket.socket) -> None:
         """Keep a descriptor of ``sock``'s connection of this object's own (a dup)."""
