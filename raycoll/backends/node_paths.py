@@ -123,10 +123,6 @@ class NodePaths:
             self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
         return True
 
-    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
-        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan."""
-        return self._node_all_reduce(arr, op, call, dst)
-
     def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
                              call: Call) -> bool:
         """reduce_scatter of ``whole`` (one piece a rank) into ``out`` as one node-aware

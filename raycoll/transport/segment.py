@@ -487,13 +487,14 @@ class SegmentLane(RoundTransport):
     def run_all_to_all(self, call: "Call", bufs: Sequence[np.ndarray],
                        sends: Sequence[plans.Piece], recvs: Sequence[plans.Piece]) -> None:
         """all_to_all: ``sends[j]`` (buffer id, offset, bytes; ids from 1, indexing
-        ``bufs``) goes to rank j, which puts it where its ``recvs[me]`` says. Sizes may
+        ``bufs``, flat contiguous arrays) goes to rank j, which puts it where its
+        ``recvs[me]`` says. Sizes may
         differ per pair: the first step carries every rank's, checked on every rank (all see
         the same table) before any data is read."""
         size, me = self.ctx.size, self.ctx.rank
         sends, recvs = tuple(sends), tuple(recvs)
         first, sizes = self._a2a_first.get((sends, recvs)) or self._a2a_plan(sends, recvs)
-        allbufs = (sizes,) + tuple(bufs)
+        allbufs = (sizes,) + tuple(_bytes(b) for b in bufs)
         self.run(call, first, allbufs)
         # every rank's sizes, a strided view of the halves of this step (no copy)
         table = np.ndarray((size, 2 * size), dtype=np.int64, buffer=self._mem,
