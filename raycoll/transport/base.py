@@ -38,9 +38,11 @@ __all__ = ["RoundTransport", "SpinBackoff", "overlapping", "may_spin", "await_ex
 
 
 #: A waiting rank asks the coordinator first after ``CHECK_FIRST_S``, then at intervals that
-#: double up to ``CHECK_MAX_S``.
+#: double up to ``CHECK_MAX_S``; a wait asleep in the native core wakes every ``TICK_S`` to
+#: check its peers' processes (and abort flags).
 CHECK_FIRST_S = 0.1
 CHECK_MAX_S = 1.0
+TICK_S = 0.01
 #: ``waited_s`` that has the coordinator probe the ranks named at once (see ``check``).
 PROBE_NOW = float("inf")
 #: A transport error (not a timeout) waits this long for the coordinator to explain it (a
@@ -64,6 +66,13 @@ def overlapping(waited: threading.Event) -> Iterator[None]:
         yield
     finally:
         _OVERLAP.waited = before
+
+
+def wait_policy(spin_ns: int,
+                first_check_s: float = CHECK_FIRST_S) -> Tuple[int, int, int, int]:
+    """A native wait's policy: how long it spins, its tick, its first check with the
+    coordinator and the most between two (nanoseconds each, as the core takes them)."""
+    return spin_ns, int(TICK_S * 1e9), int(first_check_s * 1e9), int(CHECK_MAX_S * 1e9)
 
 
 def may_spin() -> bool:
@@ -189,10 +198,8 @@ class RoundTransport:
     name = "transport"
     kind = "?"
 
-    def __init__(self, ctx: "GroupContext", epoch: str, peers: Sequence[int]) -> None:
+    def __init__(self, ctx: "GroupContext") -> None:
         self.ctx = ctx
-        self.epoch = epoch
-        self._peers = sorted(peers)
         #: per collective kind, what this rank sent and received (the native sockets count)
         self.counters: Dict[str, Counters] = {}
         self._poisoned = False

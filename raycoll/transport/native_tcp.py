@@ -35,7 +35,7 @@ from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.schedule import Schedule
 from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
-from raycoll.transport.base import may_spin
+from raycoll.transport.base import may_spin, wait_policy
 from raycoll.tensors import dtype_name
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.links import PeerClosed, PeerLeft, peer_failure
@@ -48,9 +48,6 @@ __all__ = ["NativeSockets", "SPIN_S"]
 #: How long a wait on the sockets spins (non-blocking reads) before it polls, where the
 #: group's ranks on this machine fit its cores.
 SPIN_S = 50e-6
-TICK_NS = 10_000_000
-CHECK_FIRST_NS = 100_000_000
-CHECK_MAX_NS = 1_000_000_000
 #: The most plans a rank keeps.
 _CACHE = 64
 
@@ -84,8 +81,7 @@ class NativeSockets:
         self._scratch = np.empty(0, dtype=np.uint8)
         self._fps = Fingerprints()
         spin = 0 if crowded else int(SPIN_S * 1e9)
-        self._spinning = (spin, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
-        self._no_spin = (0, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
+        self._spinning, self._no_spin = wait_policy(spin), wait_policy(0)
         self._call: Optional["Call"] = None
         self._began = 0.0
         #: The descriptors above are this object's own (dups of the links' sockets): closing

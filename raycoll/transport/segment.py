@@ -17,8 +17,8 @@ released while it copies, reduces and waits, and no Python runs between two step
 - **Waiting**: a rank spins for up to ``SPIN_S`` where the node's ranks fit its cores (never
   where they outnumber them, nor while its caller computes beside an async collective), then
   sleeps in the kernel (futex) until the peer it waits for publishes its step; every
-  ``TICK_S`` it checks that its peers' processes live (a dead one is named at once, before
-  Ray reports it) and their abort flags; after 0.1 s, and then at intervals doubling to 1 s,
+  ``TICK_S`` (:mod:`raycoll.transport.base`) it checks that its peers' processes live (a
+  dead one is named at once, before Ray reports it) and their abort flags; after 0.1 s, and then at intervals doubling to 1 s,
   it returns to Python for the coordinator's check and the call's deadline.
 - **Mismatches** (shape, dtype, op, root, collective) are found on a call's first step from
   the fingerprints every rank publishes, before any data is read: that call fails with
@@ -49,7 +49,7 @@ from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
 from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin,
-                                    segment_failure)
+                                    segment_failure, wait_policy)
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.cores import oversubscribed
 
@@ -66,11 +66,6 @@ SEGMENT_BYTES = 4 << 20
 MIN_SEGMENT_BYTES = 64 << 10
 #: How long a wait spins before it sleeps (ranks that fit the node's cores only).
 SPIN_S = 200e-6
-#: How often a sleeping wait wakes to check its peers' processes and abort flags.
-TICK_S = 0.01
-#: When a wait first returns to Python (coordinator check, deadline), then up to this apart.
-CHECK_FIRST_S = 0.1
-CHECK_MAX_S = 1.0
 #: How long a rank waits for every rank to map the segment before it probes whether it may
 #: read their memory (else it says it may not: the group goes without cross-memory reads).
 MAPPED_WAIT_S = 10.0
@@ -204,7 +199,7 @@ class SegmentLane(RoundTransport):
         return self
 
     def __init__(self, ctx: "GroupContext", seg: Any, cma: bool = False) -> None:
-        super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
+        super().__init__(ctx)
         self.seg = seg
         #: whether large collectives read the peers' buffers across processes (every rank
         #: may read every other's memory: the set-up's probe), from ``cma_bytes`` on
@@ -224,9 +219,7 @@ class SegmentLane(RoundTransport):
             if explicit:
                 cap = min(cap, explicit)
         self.step_bytes = min(self.half, max(cap // 64 * 64, 64 * ctx.size))
-        tick, first_check, max_check = int(TICK_S * 1e9), int(CHECK_FIRST_S * 1e9), int(CHECK_MAX_S * 1e9)
-        self._spinning = (self._spin_ns, tick, first_check, max_check)
-        self._no_spin = (0, tick, first_check, max_check)
+        self._spinning, self._no_spin = wait_policy(self._spin_ns), wait_policy(0)
         self._policy = self._spinning if self._spin_ns else self._no_spin
         self._backoff = SpinBackoff(bool(self._spin_ns))
         self._spin_fails = 0

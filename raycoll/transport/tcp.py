@@ -66,7 +66,7 @@ class TcpTransport(RoundTransport):
     kind = "tcp"
 
     def __init__(self, ctx: "GroupContext", links: Links) -> None:
-        super().__init__(ctx, "tcp", [j for j in range(ctx.size) if j != ctx.rank])
+        super().__init__(ctx)
         self.links = links
         self.failure_grace_s = CLOSED_GRACE_S
         #: the native runs of the group's plans
