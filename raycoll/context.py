@@ -274,7 +274,7 @@ class GroupContext:
         if self.planned_transport() != "tcp":
             return None
         plane = self._set_up(call)
-        return plane if plane and getattr(plane, "native", None) is not None else None
+        return plane if plane and plane.kind == "tcp" else None
 
     def note_algorithm(self, collective: str, algorithm: str) -> None:
         """Remember that this group's last ``collective`` ran ``algorithm`` (for
@@ -297,9 +297,8 @@ class GroupContext:
         """This rank's traffic on the group's direct connections (see
         ``ProcessGroup.counters``)."""
         plane = self._plane
-        native = getattr(plane, "native", None) if plane else None
-        if native is not None:
-            native.flush()  # its counters are brought up to date when read
+        if plane and plane.kind == "tcp":
+            plane.flush()  # its counters are brought up to date when read
         per_op = getattr(plane, "counters", {}) if plane else {}
         sockets = self._transports.sockets if self._transports is not None else None
         return {

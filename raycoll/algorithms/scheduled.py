@@ -106,7 +106,7 @@ class ScheduledAlgorithms:
         connections and the core reduces ``like``'s dtype with ``op``. Ask before building a
         buffer for :meth:`_scheduled`."""
         plane = self.ctx.sparse_transport(call)
-        if plane is None or plane.native is None or plane.native.codes(like, op) is None:
+        if plane is None or plane.codes(like, op) is None:
             return False
         self.ctx.note_algorithm(collective, self.algorithm(collective, nbytes, like.itemsize,
                                                            root))
@@ -124,10 +124,10 @@ class ScheduledAlgorithms:
         schedule = self._schedule(collective, algo, flat.size, flat.itemsize, root)
         reducing = op is not None and op.name in ("AVG", "PREMUL_SUM")
         key = (collective, algo, flat.size, flat.itemsize, root, reducing)
-        codes = plane.native.codes(flat, op)
-        nplan = plane.native.plan(key, schedule, flat.itemsize, reducing)
-        plane.run_native(call, nplan, flat, codes, op)
+        codes = plane.codes(flat, op)
+        nplan = plane.plan(key, schedule, flat.itemsize, reducing)
+        plane.run(call, nplan, flat, codes, op)
         self.ctx.note_rounds(call, nplan.rounds, schedule.algorithm)
         if collective == "all_reduce" and op is not None:
-            plane.native.remember(flat, op, nplan, codes, schedule.algorithm)
+            plane.remember(flat, op, nplan, codes, schedule.algorithm)
         return True

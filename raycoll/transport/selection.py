@@ -22,7 +22,7 @@ from raycoll.transport import segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.cores import oversubscribed
 from raycoll.transport.pipes import PairPipes
-from raycoll.transport.tcp import CLOSED_GRACE_S, Links, TcpTransport, tcp_possible
+from raycoll.transport.tcp import CLOSED_GRACE_S, Links, NativeSockets, tcp_possible
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -80,7 +80,7 @@ class GroupTransports:
         if planned == "lane":
             return self._set_up_lane(call)
         if planned == "tcp" and self.links is not None:  # "tcp" is planned only with links
-            return TcpTransport(self.ctx, self.links)
+            return NativeSockets(self.ctx, self.links)
         return False
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
@@ -89,7 +89,7 @@ class GroupTransports:
         if seg is not None:
             return seg
         ctx.skip_setup_step(call)
-        return TcpTransport(ctx, self.links) if self.links is not None else False
+        return NativeSockets(ctx, self.links) if self.links is not None else False
 
     def mailbox(self) -> Optional[PairPipes]:
         """The group's point-to-point mailbox: the native core's pair pipes where every rank
