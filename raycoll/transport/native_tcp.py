@@ -1,6 +1,6 @@
 """A schedule's steps over the group's direct connections, run natively: one call of the
 compiled core for a whole collective (``raycoll/native/net.h`` has the protocol; the plan is
-:mod:`raycoll.algorithms.native_plans`), with the GIL released and no Python between two
+made by :mod:`raycoll.algorithms.native_plans` and handed in), with the GIL released and no Python between two
 messages: vectored sends of header and data, receives straight into the destination, the
 reductions in place.
 
@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from raycoll import errors
-from raycoll.algorithms.native_plans import NativePlan, plan_schedule
-from raycoll.algorithms.schedule import Schedule
 from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
 from raycoll.transport.base import RoundTransport, may_spin, wait_policy
@@ -42,6 +40,7 @@ from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.links import CLOSED_GRACE_S, Links, PeerClosed, PeerLeft, peer_failure
 
 if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.algorithms.native_plans import NativePlan  # (plans are handed in)
     from raycoll.context import GroupContext
     from raycoll.reduce_op import ReduceOp
 
@@ -80,7 +79,6 @@ class NativeSockets(RoundTransport):
         self._window: Tuple[Optional[str], int] = (None, 0)
         nodes = ctx.node_ids
         self._same_node = np.array([n == nodes[ctx.rank] for n in nodes])
-        self._plans: Dict[Any, NativePlan] = {}
         #: all_reduces the full path ran here, by (dtype, elements, op), and the short
         #: path's entries made of them, by (dtype, shape, op): :meth:`fast_plan`
         self._replays: Dict[Any, Tuple[NativePlan, Tuple[int, int], str]] = {}
@@ -104,16 +102,6 @@ class NativeSockets(RoundTransport):
         """What runs ``raycoll.all_reduce``'s short path here: these sockets
         (:meth:`fast_plan`)."""
         return self
-
-    def plan(self, key: Any, schedule: Schedule, itemsize: int, reducing: bool) -> NativePlan:
-        """This rank's native plan of ``schedule`` (cached by ``key``)."""
-        got = self._plans.get(key)
-        if got is None:
-            if len(self._plans) >= _CACHE:
-                self._plans.pop(next(iter(self._plans)))
-            got = self._plans[key] = plan_schedule(schedule, self.ctx.rank, itemsize,
-                                                   reducing, self.ctx.node_ids)
-        return got
 
     def codes(self, flat: np.ndarray, op: Optional["ReduceOp"]) -> Optional[Tuple[int, int]]:
         """(dtype code, op code) when the core can run ``flat``'s collective with ``op``
