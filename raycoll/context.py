@@ -108,12 +108,12 @@ class Transports(Protocol):
         ``RoundTransport``, or ``False`` for none."""
         ...
 
-    def mailbox(self) -> Any:
-        """The point-to-point mailbox on direct connections, or ``None`` without them."""
+    def pair_pipes(self) -> Any:
+        """The group's point-to-point pair pipes, or ``None`` without them."""
         ...
 
     def close(self) -> None:
-        """Release the direct connections and the mailbox."""
+        """Release the direct connections and the pair pipes."""
         ...
 
     def sockets(self, purpose: str) -> int:
@@ -344,11 +344,11 @@ class GroupContext:
         steps through the coordinator move past that step."""
         self._shifted_seq = call.seq
 
-    def mailbox(self) -> Any:
-        """The group's point-to-point mailbox on direct connections
-        (:class:`raycoll.transport.tcp.Mailbox`), or ``None`` when the group has none (then
-        point-to-point goes through the coordinator)."""
-        return self._transports.mailbox() if self._transports is not None else None
+    def pair_pipes(self) -> Any:
+        """The group's point-to-point pair pipes (:class:`raycoll.transport.pipes.PairPipes`),
+        or ``None`` when the group has none (then point-to-point goes through the
+        coordinator)."""
+        return self._transports.pair_pipes() if self._transports is not None else None
 
     def p2p_check(self, peers: Sequence[int], waited_s: float) -> None:
         """Raise the coordinator's error if a point-to-point wait for ``peers`` must end."""

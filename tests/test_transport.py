@@ -43,22 +43,22 @@ def test_every_collective_and_p2p_over_tcp_match_numpy(ranks, n):
         assert bad == [], (rank, bad)
 
 
-def _mailbox_used(rank: int) -> Any:
+def _pair_pipes_used(rank: int) -> Any:
     x = np.full(4, float(rank))
     if rank == 0:
         raycoll.send(x, dst=1)
     elif rank == 1:
         raycoll.recv(x, src=0)
-    return world().default.context.mailbox() is not None, x.tolist()
+    return world().default.context.pair_pipes() is not None, x.tolist()
 
 
 @pytest.mark.timeout(120)
 def test_point_to_point_goes_straight_between_the_pair(ranks):
-    results = ranks.run(_mailbox_used, 3)
+    results = ranks.run(_pair_pipes_used, 3)
     # on the pair pipes where the native core runs; without it, through the coordinator
     assert all(direct == (core is not None) for direct, _ in results)
     assert results[1][1] == [0.0] * 4
-    stored = ranks.run(_mailbox_used, 3, options={"transport": "store"})
+    stored = ranks.run(_pair_pipes_used, 3, options={"transport": "store"})
     assert not any(direct for direct, _ in stored)  # forced through the coordinator
     assert stored[1][1] == [0.0] * 4
 

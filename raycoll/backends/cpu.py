@@ -319,11 +319,9 @@ class ObjstoreBackend(NodePaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
 
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
-        mailbox = self.ctx.mailbox()
-        if isinstance(mailbox, PairPipes):
-            self.pair_pipes = mailbox
-        if mailbox is not None:  # straight to the peer (pair pipes or direct connections)
-            done = mailbox.send(arr, dst, tag, array_meta(arr), timeout_s)
+        pipes = self.pair_pipes = self.ctx.pair_pipes()
+        if pipes is not None:  # straight to the peer
+            done = pipes.send(arr, dst, tag, array_meta(arr), timeout_s)
 
             def finish() -> Optional[int]:
                 done()
@@ -347,11 +345,9 @@ class ObjstoreBackend(NodePaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
 
     def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
-        mailbox = self.ctx.mailbox()
-        if isinstance(mailbox, PairPipes):
-            self.pair_pipes = mailbox
-        if mailbox is not None:
-            return mailbox.recv(arr, src, tag, array_meta(arr), timeout_s)
+        pipes = self.pair_pipes = self.ctx.pair_pipes()
+        if pipes is not None:
+            return pipes.recv(arr, src, tag, array_meta(arr), timeout_s)
         ref = self.ctx.p2p_recv(src, tag, array_meta(arr), timeout_s)
         call = Call("recv", -1, timeout_s)
 
