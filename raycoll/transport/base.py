@@ -2,8 +2,8 @@
 reports for ``group_status``, the spin policy, and the failure path.
 
 :class:`RoundTransport` is the base of the two native transports, the node segment
-(:mod:`raycoll.transport.segment`) and the native sockets (:mod:`raycoll.transport.tcp`,
-running :mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
+(:mod:`raycoll.transport.segment`) and the native sockets
+(:mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
 dead rank, an abort or a timeout ends the wait with the coordinator's error; see
 ``Coordinator.transport_check``), the timeout naming the ranks that never arrived, and a
 rank's progress told to the coordinator at most once a period.
@@ -192,7 +192,7 @@ def await_explanation(check: Callable[[], None], grace_s: float) -> Optional[Bas
 
 
 class RoundTransport:
-    """One group's round transport on this rank (see the module docstring)."""
+    """One group's native transport on this rank (see the module docstring)."""
 
     #: What the transport is called in errors, and its short name (``group_status``).
     name = "transport"
