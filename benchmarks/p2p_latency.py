@@ -90,8 +90,8 @@ def _round_trips(rank: int, world: int, port: int, sizes: List[int], iters: int,
                     out.setdefault(f"{lib}|{pattern}", {})[nbytes] = times
         from raycoll.world import world as _world
 
-        mailbox = _world().default.context.mailbox()  # type: ignore[union-attr]
-        out["path"] = type(mailbox).__name__
+        pipes = _world().default.context.pair_pipes()  # type: ignore[union-attr]
+        out["path"] = type(pipes).__name__
     finally:
         dist.destroy_process_group()
     return out if rank == 0 else {}
@@ -105,7 +105,7 @@ def _layers(rank: int, iters: int) -> Dict[str, float]:
 
     x, y = np.ones(1, np.float32), np.zeros(1, np.float32)
     peer = 1 - rank
-    box = _world().default.context.mailbox()  # type: ignore[union-attr]
+    box = _world().default.context.pair_pipes()  # type: ignore[union-attr]
     meta = ("float32", (1,))
 
     def public() -> None:

@@ -108,12 +108,12 @@ class Transports(Protocol):
         ``RoundTransport``, or ``False`` for none."""
         ...
 
-    def mailbox(self) -> Any:
-        """The point-to-point mailbox on direct connections, or ``None`` without them."""
+    def pair_pipes(self) -> Any:
+        """The group's point-to-point pair pipes, or ``None`` without them."""
         ...
 
     def close(self) -> None:
-        """Release the direct connections and the mailbox."""
+        """Release the direct connections and the pair pipes."""
         ...
 
     def sockets(self, purpose: str) -> int:
@@ -234,19 +234,15 @@ class GroupContext:
                                     call.timeout_s, where=self.ctx(call))
 
     # ------------------------------------------------------------------ the round transport
-    def gather_round(self, call: Call, payload: Any, sub: int = 0,
-                     views: bool = False) -> Optional[List[Any]]:
-        """Every rank's small Python ``payload`` for round ``sub`` of ``call`` (by group rank)
-        through the group's node segment (a join round's sequence numbers), or ``None`` when
-        this group has none (then use :meth:`exchange`); ``views``: see
-        :meth:`raycoll.transport.base.RoundTransport.all_gather`. Every rank must make the
-        same calls here for the same collective. Round 0 decides (and sets up) the
-        transport."""
+    def gather_round(self, call: Call, seq: Optional[int]) -> Optional[List[Optional[int]]]:
+        """Every rank's join sequence number ``seq`` for ``call`` (by group rank) through the
+        group's node segment, or ``None`` when this group has none (then use
+        :meth:`exchange`). Decides (and sets up) the transport if ``call`` is the first."""
         plane = self._set_up(call)
         if not getattr(plane, "is_segment", False):
             return None
-        self._note(call, 1, None)
-        return plane.all_gather(call, payload, sub, views)
+        seqs: List[Optional[int]] = plane.gather_seqs(call, seq)
+        return seqs
 
     def _set_up(self, call: Call) -> Any:
         """The group's round transport, set up inside ``call`` if this is its first use."""
@@ -278,7 +274,7 @@ class GroupContext:
         if self.planned_transport() != "tcp":
             return None
         plane = self._set_up(call)
-        return plane if plane and getattr(plane, "native", None) is not None else None
+        return plane if plane and plane.kind == "tcp" else None
 
     def note_algorithm(self, collective: str, algorithm: str) -> None:
         """Remember that this group's last ``collective`` ran ``algorithm`` (for
@@ -301,14 +297,13 @@ class GroupContext:
         """This rank's traffic on the group's direct connections (see
         ``ProcessGroup.counters``)."""
         plane = self._plane
-        native = getattr(plane, "native", None) if plane else None
-        if native is not None:
-            native.flush()  # its counters are brought up to date when read
+        if plane and plane.kind == "tcp":
+            plane.flush()  # its counters are brought up to date when read
         per_op = getattr(plane, "counters", {}) if plane else {}
         sockets = self._transports.sockets if self._transports is not None else None
         return {
             "collectives": {op: c.as_dict() for op, c in sorted(per_op.items())},
-            "sockets": sockets("coll") + sockets("ncoll") if sockets else 0,
+            "sockets": sockets("ncoll") if sockets else 0,
             "p2p_sockets": sockets("p2p") if sockets else 0,
             "peak_recv_buffer_bytes": getattr(plane, "peak_recv_bytes", 0) if plane else 0,
         }
@@ -349,11 +344,11 @@ class GroupContext:
         steps through the coordinator move past that step."""
         self._shifted_seq = call.seq
 
-    def mailbox(self) -> Any:
-        """The group's point-to-point mailbox on direct connections
-        (:class:`raycoll.transport.tcp.Mailbox`), or ``None`` when the group has none (then
-        point-to-point goes through the coordinator)."""
-        return self._transports.mailbox() if self._transports is not None else None
+    def pair_pipes(self) -> Any:
+        """The group's point-to-point pair pipes (:class:`raycoll.transport.pipes.PairPipes`),
+        or ``None`` when the group has none (then point-to-point goes through the
+        coordinator)."""
+        return self._transports.pair_pipes() if self._transports is not None else None
 
     def p2p_check(self, peers: Sequence[int], waited_s: float) -> None:
         """Raise the coordinator's error if a point-to-point wait for ``peers`` must end."""
@@ -371,11 +366,6 @@ class GroupContext:
             return "store"
         return str(self._plane.kind)
 
-    def transport_reject(self, call: Call, message: str) -> None:
-        """This rank rejected its arguments for ``call``: tell the transport's readers now."""
-        if self._plane:
-            self._plane.reject(call, message)
-
     def transport_report(self, wait_s: float = 0.0) -> None:
         """Send the coordinator what this rank's transport knows of every rank's progress
         (waiting up to ``wait_s`` for it to be taken)."""
@@ -390,8 +380,8 @@ class GroupContext:
 
     @property
     def transport_active(self) -> bool:
-        """Whether this group's node segment is set up, which carries rounds of Python
-        payloads (:meth:`gather_round`; the same on every rank between collectives)."""
+        """Whether this group's node segment is set up, which carries the join rounds
+        (:meth:`gather_round`; the same on every rank between collectives)."""
         return bool(getattr(self._plane, "is_segment", False))
 
     @property

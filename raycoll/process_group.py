@@ -224,10 +224,10 @@ class ProcessGroup(ObjectAPI):
         store)."""
         return self.context.counters()
 
-    def gather_round(self, call: Call, payload: Any) -> Optional[List[Any]]:
-        """Every rank's small ``payload`` for ``call``, by group rank, through the node
-        segment; ``None`` when the group has none."""
-        return self.context.gather_round(call, payload)
+    def gather_round(self, call: Call, seq: Optional[int]) -> Optional[List[Optional[int]]]:
+        """Every rank's join sequence number ``seq`` for ``call``, by group rank, through the
+        node segment; ``None`` when the group has none."""
+        return self.context.gather_round(call, seq)
 
     def report_progress(self, wait_s: float = 0.0) -> None:
         """Send the coordinator what this rank's round transport knows of every rank's
@@ -335,11 +335,6 @@ class ProcessGroup(ObjectAPI):
         if self.size() > 1:
             self._root.client.submit_reject(self._name, self._global_ranks, call.seq,
                                             self._rank, call.op, str(exc))
-            message = str(exc)
-            if not self.outstanding():
-                self.context.transport_reject(call, message)
-            else:  # after the calls queued before it (a node segment takes it as a step)
-                self._submit(call, lambda: self.context.transport_reject(call, message))
 
     def run(self, call: Call, fn: Callable[[], Any], async_op: bool,
             outputs: Optional[List[Any]] = None) -> Optional[Work]:

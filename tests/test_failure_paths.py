@@ -139,13 +139,12 @@ def _interrupted(rank: int, group: str, marks: str, exc_name: str) -> Dict[str, 
         raycoll.all_reduce(x, group=group)  # the transport is set up: arm its check
         out["wrong"] += int(not np.all(x == 3.0))
         plane = pg.context._plane
-        target = plane.native if getattr(plane, "native", None) is not None else plane
         cls = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[exc_name]
 
         def check(waited_s: float, pending: Any) -> None:
             raise cls("interrupted inside the core's wait")
 
-        target._check = check
+        plane._check = check  # the node segment's, or the native sockets'
         _mark(f"{marks}/armed", "1")
     while True:
         x.fill(rank + 1.0)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from raycoll import errors
 from raycoll.algorithms import segment_plans as plans
 from raycoll.native import CONN_DTYPE, DTYPE_CODES, OP_CODES, core, native_status
+from raycoll.transport.links import GOODBYE
 
 pytestmark = pytest.mark.skipif(core is None, reason=f"native core: {native_status()}")
 
@@ -195,8 +196,8 @@ def test_a_message_is_accepted_only_whole(case):
         elif case == "garbage":
             pair.to1.sendall(b"\xde\xad\xbe\xef" * 40)
             want = core.GARBLED
-        elif case == "short_goodbye":  # the Python transports' frame magic, then the end
-            pair.to1.sendall(b"RC" + b"\0" * 10)
+        elif case == "short_goodbye":  # what a rank writes as it closes (links.close), the end
+            pair.to1.sendall(GOODBYE)
             pair.to1.close()
             want = core.FOREIGN
         else:

@@ -8,7 +8,7 @@ point-to-point across nodes uses it.
   and on the sender of a large message; the pair goes on;
 - copies are bounds-checked: a buffer of another size is refused before anything moves;
 - failures never hang: a peer's connection closed ends a wait with ``PEER_CLOSED``, a
-  goodbye frame of the Python transports with ``FOREIGN``, garbage with ``GARBLED``; a
+  goodbye (a write that starts with its two bytes) with ``FOREIGN``, garbage with ``GARBLED``; a
   receive nobody sends to ends when its check raises (a timeout).
 """
 
@@ -115,7 +115,7 @@ def test_a_closed_peer_a_goodbye_garbage_and_a_timeout_end_the_wait():
     a.close()
     assert b.peek(True, WAIT, _deadline(5))[0] == core.PEER_CLOSED
     a, b, socks = _pair()
-    socks[0].send(b"RC" + bytes(200))  # the Python transports' goodbye frame
+    socks[0].send(b"RC" + bytes(200))  # a goodbye's two bytes leading a longer write
     assert b.peek(True, WAIT, _deadline(5))[0] == core.FOREIGN
     a, b, socks = _pair()
     socks[0].send(bytes(range(128)))  # not a header

@@ -46,7 +46,7 @@ def _outcome(fn: Any) -> Any:
 
 
 def _traffic(rank: int, n: int) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"kind": type(world().default.context.mailbox()).__name__}
+    out: Dict[str, Any] = {"kind": type(world().default.context.pair_pipes()).__name__}
     if rank == 0:
         for tag in (1, 2, 3):  # small: each completes before rank 1 posts a receive
             raycoll.send(np.full(4, float(tag)), dst=1, tag=tag)

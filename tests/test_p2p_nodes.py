@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.cluster,
 
 def _pipes(rank: int) -> Dict[str, Any]:
     """Which kind of pipe this rank holds to each peer it talked to."""
-    pipes = world().default.context.mailbox()
+    pipes = world().default.context.pair_pipes()
     return {"kind": type(pipes).__name__, "node": ray.get_runtime_context().get_node_id(),
             "pipes": {peer: type(p).__name__ for peer, p in getattr(pipes, "_pipes", {}).items()}}
 

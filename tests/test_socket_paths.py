@@ -1,7 +1,7 @@
 """gather, scatter and all_to_all on the native executor over direct connections
 (raycoll/backends/socket_paths.py): a group with ``transport="tcp"`` on this node (the same
-code runs between nodes). Each result against numpy, no Python round (no ``"coll"``
-connection opened), the messages each rank counts, and an all_to_all whose pairs disagree
+code runs between nodes). Each result against numpy, nothing through the coordinator
+(no step in the last route), the messages each rank counts, and an all_to_all whose pairs disagree
 failing on every rank with the pairs named, the group going on."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(core is None,
 
 
 
-def _python_round_sockets() -> int:
-    return world().default.context._transports.sockets("coll")
+def _coordinator_steps() -> Any:
+    """The last collective's steps through the coordinator (none where it ran natively)."""
+    return world().default.last_route.steps
 
 
 def _gather_scatter(rank: int, n: int) -> Dict[str, Any]:
@@ -44,8 +45,7 @@ def _gather_scatter(rank: int, n: int) -> Dict[str, Any]:
     pieces = [np.full(n, 7 * j, dtype=np.int32) for j in range(w)] if rank == 2 else None
     raycoll.scatter(piece, pieces, src=2)
     out["scatter"] = bool((piece == 7 * rank).all())
-    out["python_rounds"] = _python_round_sockets()
-    out["steps"] = world().default.last_route.steps
+    out["steps"] = _coordinator_steps()
     return out
 
 
@@ -56,7 +56,6 @@ def test_gather_and_scatter_go_natively_with_one_message_each_way_per_pair(ranks
     assert results[1]["gather"], results
     for rank, res in enumerate(results):
         assert res["scatter"], (rank, res)
-        assert res["python_rounds"] == 0, (rank, res)  # no Python round ran
         assert res["steps"] == (), (rank, res)  # nothing through the coordinator
         # every rank meets every other (one message each way a pair: the data, or empty)
         assert res["gather_msgs"] == (2, 2), (rank, res)
@@ -76,15 +75,14 @@ def _all_to_all(rank: int) -> Dict[str, Any]:
     out = np.zeros((sum(o.shape[0] for o in outs), 2), dtype=np.float32)
     raycoll.all_to_all_single(out, src, [o.shape[0] for o in outs], rows)
     single = np.array_equal(out, np.concatenate(outs))
-    return {"lists": bool(lists), "single": bool(single),
-            "python_rounds": _python_round_sockets()}
+    return {"lists": bool(lists), "single": bool(single), "steps": _coordinator_steps()}
 
 
 @pytest.mark.timeout(180)
 def test_all_to_all_with_sizes_that_differ_per_pair_goes_natively(ranks):
     results = ranks.run(_all_to_all, 3, options=TCP, timeout=120)
     for rank, res in enumerate(results):
-        assert res == {"lists": True, "single": True, "python_rounds": 0}, (rank, res)
+        assert res == {"lists": True, "single": True, "steps": ()}, (rank, res)
 
 
 def _disagree(rank: int) -> List[Any]:
@@ -103,18 +101,18 @@ def _disagree(rank: int) -> List[Any]:
         first = (type(exc).__name__, str(exc))
     x = np.full(3, float(rank))
     raycoll.all_reduce(x)
-    return [first, x.tolist(), _python_round_sockets()]
+    return [first, x.tolist(), _coordinator_steps()]
 
 
 @pytest.mark.timeout(180)
 def test_an_all_to_all_whose_pairs_disagree_fails_on_every_rank_and_the_group_goes_on(ranks):
     results = ranks.run(_disagree, 3, options=TCP, timeout=120)
-    for rank, (first, after, python_rounds) in enumerate(results):
+    for rank, (first, after, steps) in enumerate(results):
         assert first is not None and first[0] == "CollectiveMismatchError", (rank, first)
         assert "rank 0 sends rank 1 dtype=float32, shape=(3, 4) but rank 1 expects " \
                "dtype=float32, shape=(2, 4)" in first[1], (rank, first)
         assert after == [3.0] * 3, (rank, after)
-        assert python_rounds == 0, rank
+        assert steps == (), (rank, steps)
 
 
 def _short_path(rank: int, calls: int) -> Dict[str, Any]:
@@ -133,7 +131,7 @@ def _short_path(rank: int, calls: int) -> Dict[str, Any]:
         x = np.full(4, float(rank + i))
         all_reduce(x)
         out["sums"].append(x.tolist())
-    out["fast"] = len(pg.context._plane.native._fast)
+    out["fast"] = len(pg.context._plane._fast)
     counts = pg.counters()["collectives"]
     out["all_reduce_msgs"] = counts["all_reduce"]["messages_sent"]
     raycoll.broadcast(np.zeros(3), src=0)  # another kind: counted apart
@@ -166,7 +164,7 @@ def test_all_reduces_short_path_on_sockets_meets_the_full_path_and_counts_alike(
 
 def _sockets_on_one_core(rank: int, calls: int) -> Dict[str, Any]:
     def stats(total: float) -> Dict[str, Any]:
-        native = world().default.context._plane.native
+        native = world().default.context._plane
         return {"sum": total, "runs": native._runs, "spun_out": native.spins_failed}
 
     return all_reduces_on_one_core(calls, stats)

@@ -1,3 +1,4 @@
-"""raycoll's CPU collective algorithms, written once over the round transports
-(:mod:`raycoll.transport`), one module per family, with their topology, cost model and
-counters. They know nothing of sockets or channels."""
+"""raycoll's CPU collective algorithms: the schedules (one module per family) and the
+plans the native executor runs (over sockets, a node segment, or both), the topology, the
+cost model and the planner that choose among them, the counters that prove their costs,
+and the object-store steps of the fallback."""

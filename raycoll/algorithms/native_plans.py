@@ -1,6 +1,6 @@
 """One rank's part of a :class:`~raycoll.algorithms.schedule.Schedule` as operations of the
-native executor over sockets (``raycoll/native/core.h``; run by
-:mod:`raycoll.transport.tcp`'s native path).
+native executor over sockets (``raycoll/native/core.h``; made by
+:mod:`raycoll.algorithms.scheduled`, run by :mod:`raycoll.transport.native_tcp`).
 
 Buffers: 0 is the rank's flat buffer (in place, the schedule's layout), 1 a scratch buffer of
 :attr:`NativePlan.scratch` bytes. Peers are group ranks. Each step of the schedule becomes:
@@ -17,14 +17,14 @@ Buffers: 0 is the rank's flat buffer (in place, the schedule's layout), 1 a scra
 - after the last step, AVG's division or PREMUL_SUM's factor over the rank's result range
   (``FINAL``).
 
-:attr:`NativePlan.counts` is what the rank's counters gain (``ProcessGroup.counters()``
-stays exact), computed once per plan as the Python rounds count them.
+:attr:`NativePlan.counts` is what the plan should move (the rank's counters,
+``ProcessGroup.counters()``, count what the core moved).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -188,8 +188,3 @@ def plan_exchange(rank: int, sends: Sequence[Piece], recvs: Sequence[Piece],
     arr.setflags(write=False)
     return NativePlan(arr, 0, tuple(dict.fromkeys(p for p, *_ in sends)),
                       tuple(dict.fromkeys(p for p, *_ in recvs)), rounds, counts)
-
-
-def staged_bytes(plan: Optional[NativePlan]) -> int:
-    """The scratch a plan needs (0 without one)."""
-    return plan.scratch if plan is not None else 0

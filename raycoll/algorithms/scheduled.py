@@ -28,8 +28,9 @@ import numpy as np
 
 from raycoll.algorithms.catalog import PIPELINED, build
 from raycoll.algorithms.cost import CostModel, choose
+from raycoll.algorithms.native_plans import NativePlan, plan_schedule
 from raycoll.algorithms.planner import Cores, flat_times
-from raycoll.algorithms.schedule import ALGORITHMS, Schedule
+from raycoll.algorithms.schedule import ALGORITHMS
 from raycoll.algorithms.topology import Topology
 from raycoll.options import SCHEDULED
 from raycoll.reduce_op import ReduceOp
@@ -39,7 +40,7 @@ __all__ = ["ScheduledAlgorithms"]
 
 logger = logging.getLogger("raycoll")
 
-#: How many (collective, bytes, root) choices and schedules a rank keeps.
+#: How many (collective, bytes, root) choices and plans a rank keeps.
 _CACHE = 64
 
 
@@ -61,7 +62,7 @@ class ScheduledAlgorithms:
         for name, collective in SCHEDULED.items():
             algo = getattr(opts, name)
             self.forced[collective] = algo if algo in ALGORITHMS[collective] else None
-        self._schedules_made: "OrderedDict[Tuple[Any, ...], Schedule]" = OrderedDict()
+        self._plans: "OrderedDict[Tuple[Any, ...], NativePlan]" = OrderedDict()
         self._choices: "OrderedDict[Tuple[Any, ...], str]" = OrderedDict()
         self._group_machines: Optional[Tuple[Tuple[Hashable, ...], Cores]] = None
 
@@ -96,18 +97,20 @@ class ScheduledAlgorithms:
                          nbytes, self.topology.ranks_per_node, algo)
         return algo
 
-    def _schedule(self, collective: str, algo: str, n: int, itemsize: int,
-                  root: int) -> Schedule:
-        """The schedule of ``collective`` by ``algo`` over ``n`` elements (cached)."""
-        key = (collective, algo, n, itemsize, root)
-        got = self._schedules_made.get(key)
+    def _plan(self, collective: str, algo: str, n: int, itemsize: int, root: int,
+              reducing: bool) -> NativePlan:
+        """This rank's native plan of ``collective`` by ``algo`` over ``n`` elements
+        (``reducing``: with AVG's or PREMUL_SUM's final step; cached)."""
+        key = (collective, algo, n, itemsize, root, reducing)
+        got = self._plans.get(key)
         if got is None:
             # a large buffer is pipelined in segments of about ``stream_bytes``: a round's
             # messages stay in the caches between their receipt and the reduction
             segments = (max(1, -(-n * itemsize // self.stream_bytes))
                         if collective in PIPELINED else 1)  # (an empty buffer: one)
-            got = build(collective, algo, self.topology, n, root, segments=segments)
-            self._remember(self._schedules_made, key, got)
+            schedule = build(collective, algo, self.topology, n, root, segments=segments)
+            got = plan_schedule(schedule, self.ctx.rank, itemsize, reducing, self.ctx.node_ids)
+            self._remember(self._plans, key, got)
         return got
 
     @staticmethod
@@ -123,7 +126,7 @@ class ScheduledAlgorithms:
         connections and the core reduces ``like``'s dtype with ``op``. Ask before building a
         buffer for :meth:`_scheduled`."""
         plane = self.ctx.sparse_transport(call)
-        if plane is None or plane.native is None or plane.native.codes(like, op) is None:
+        if plane is None or plane.codes(like, op) is None:
             return False
         self.ctx.note_algorithm(collective, self.algorithm(collective, nbytes, like.itemsize,
                                                            root))
@@ -138,13 +141,11 @@ class ScheduledAlgorithms:
             return False
         algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
         plane = self.ctx.sparse_transport(call)
-        schedule = self._schedule(collective, algo, flat.size, flat.itemsize, root)
         reducing = op is not None and op.name in ("AVG", "PREMUL_SUM")
-        key = (collective, algo, flat.size, flat.itemsize, root, reducing)
-        codes = plane.native.codes(flat, op)
-        nplan = plane.native.plan(key, schedule, flat.itemsize, reducing)
-        plane.run_native(call, nplan, flat, codes, op)
-        self.ctx.note_rounds(call, nplan.rounds, schedule.algorithm)
+        codes = plane.codes(flat, op)
+        nplan = self._plan(collective, algo, flat.size, flat.itemsize, root, reducing)
+        plane.run(call, nplan, flat, codes, op)
+        self.ctx.note_rounds(call, nplan.rounds, algo)
         if collective == "all_reduce" and op is not None:
-            plane.native.remember(flat, op, nplan, codes, schedule.algorithm)
+            plane.remember(flat, op, nplan, codes, algo)
         return True

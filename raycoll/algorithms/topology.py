@@ -35,8 +35,6 @@ class Topology:
     node_of: Tuple[int, ...] = field(init=False)
     #: the ranks of each node, in rank order
     node_ranks: Tuple[Tuple[int, ...], ...] = field(init=False)
-    #: each rank's index among the ranks of its node
-    local_rank: Tuple[int, ...] = field(init=False)
 
     def __init__(self, node_ids: Sequence[Hashable], same_node: str = "lane") -> None:
         ids = tuple(node_ids)
@@ -48,7 +46,6 @@ class Topology:
         index: Dict[Hashable, int] = {}
         members: List[List[int]] = []
         node_of: List[int] = []
-        local: List[int] = []
         for rank, node in enumerate(ids):
             try:
                 m = index.setdefault(node, len(index))
@@ -57,14 +54,12 @@ class Topology:
                                 f"got {node!r}") from exc
             if m == len(members):
                 members.append([])
-            local.append(len(members[m]))
             members[m].append(rank)
             node_of.append(m)
         object.__setattr__(self, "node_ids", ids)
         object.__setattr__(self, "same_node", same_node)
         object.__setattr__(self, "node_of", tuple(node_of))
         object.__setattr__(self, "node_ranks", tuple(tuple(g) for g in members))
-        object.__setattr__(self, "local_rank", tuple(local))
 
     @classmethod
     def from_sizes(cls, sizes: Sequence[int], same_node: str = "lane") -> "Topology":
@@ -91,16 +86,6 @@ class Topology:
     @property
     def ranks_per_node(self) -> Tuple[int, ...]:
         return tuple(len(g) for g in self.node_ranks)
-
-    @property
-    def leaders(self) -> Tuple[int, ...]:
-        """The lowest rank of each node, in node order."""
-        return tuple(g[0] for g in self.node_ranks)
-
-    @property
-    def uneven(self) -> bool:
-        """Whether the nodes hold different numbers of ranks."""
-        return len(set(self.ranks_per_node)) > 1
 
     def same(self, a: int, b: int) -> bool:
         """Whether ranks ``a`` and ``b`` share a node."""

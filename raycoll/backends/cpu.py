@@ -3,7 +3,11 @@
 Plan, execute; else store. Each collective runs on the native executor where the group has
 a native path for it, the same on every rank:
 
-- the node segment (:mod:`raycoll.backends.segment_paths`), where every rank is on one node;
+- the node segment (:class:`~raycoll.transport.segment.SegmentLane`: its plans, run here on
+  the user's arrays, flat, each array of a list its own buffer), where every rank is on one
+  node;
+- else, on several nodes, the hierarchical plans of the node segments and sockets
+  (:mod:`raycoll.backends.node_paths`) where the planner prices them cheapest;
 - else the native sockets: the scheduled algorithms (:mod:`raycoll.algorithms.scheduled`,
   the cost model's choice) for all_reduce, reduce, reduce_scatter, all_gather, broadcast
   and barrier, one plan a call for gather, scatter and all_to_all
@@ -15,8 +19,8 @@ a native path for it, the same on every rank:
   plan covers (a dtype and op the core does not reduce, reduce_scatter parts of several
   sizes, across direct connections).
 
-Point-to-point goes over the group's pair pipes or direct connections where it has them,
-else through the coordinator. The object collectives always go through the object store
+Point-to-point goes over the group's pair pipes (shared memory on a node, socket pipes
+across nodes) where every rank has the native core, else through the coordinator. The object collectives always go through the object store
 (:mod:`raycoll.backends.objects`).
 
 The design is written once in ``docs/transports.md``; the thresholds of the fallback's steps
@@ -26,7 +30,8 @@ are group options (:class:`raycoll.GroupOptions`).
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Sequence
+from contextlib import ExitStack
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,7 +39,6 @@ from raycoll.algorithms.flat import array_meta, copy_into, flat_in, flat_out
 from raycoll.algorithms.scheduled import ScheduledAlgorithms
 from raycoll.algorithms.store import Payload, StoreSteps
 from raycoll.backends.node_paths import NodePaths
-from raycoll.backends.segment_paths import SegmentPaths
 from raycoll.backends.socket_paths import SocketPaths
 from raycoll.backends.base import Call, CollectiveBackend, Completion, GroupContext
 from raycoll.native import core, native_status
@@ -86,7 +90,7 @@ def _warn_store_fallback(ctx: GroupContext) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
+class ObjstoreBackend(NodePaths, SocketPaths, ScheduledAlgorithms, StoreSteps,
                      CollectiveBackend):
     """CPU collectives on the native executor, else in steps through the coordinator and the
     Ray object store (see the module docstring)."""
@@ -107,13 +111,18 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
         self.combined = opts.put == "combined" or (opts.put == "auto" and ctx.single_node)
         _warn_store_fallback(ctx)
 
+    def _lane(self, call: Call) -> Any:
+        """The group's node segment (set up in ``call`` if this is its first collective), or
+        ``None`` where it has none (the same on every rank)."""
+        return self.ctx.native_lane(call) if self.ctx.size > 1 else None
+
     # ------------------------------------------------------------------ reductions
     def all_reduce(self, tensor: Any, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
         if self.ctx.size == 1:
             finalize(op, arr, 1)  # PREMUL_SUM still scales, as in torch
             return
-        if self._seg_all_reduce(arr, op, call) or self._node_all_reduce(arr, op, call):
+        if self._reduce_natively(arr, op, call):
             return
         with flat_out(arr) as flat:
             if not self._scheduled("all_reduce", flat, op, call):
@@ -121,8 +130,7 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
 
     def reduce(self, tensor: Any, dst: int, op: ReduceOp, call: Call) -> None:
         arr = host_view(tensor)
-        if self.ctx.size > 1 and (self._seg_all_reduce(arr, op, call, root=dst)
-                                  or self._node_reduce(arr, dst, op, call)):
+        if self.ctx.size > 1 and self._reduce_natively(arr, op, call, dst):
             return
         if self.ctx.rank != dst:  # a schedule reduces in the buffer: not in the caller's
             if self._schedules("reduce", arr.nbytes, arr, op, call, root=dst):
@@ -134,30 +142,45 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
                     return
         self._store_reduce(arr, dst, op, call)
 
+    def _reduce_natively(self, arr: np.ndarray, op: ReduceOp, call: Call,
+                         root: Optional[int] = None) -> bool:
+        """all_reduce of ``arr`` (reduce into ``root``) on the node segment, or as the
+        hierarchical plan; ``False`` (nothing done) where neither runs it."""
+        lane = self._lane(call)
+        if lane is None:
+            return self._node_all_reduce(arr, op, call, root)
+        with flat_out(arr) as flat:
+            lane.run_all_reduce(call, flat, op, -1 if root is None else root)
+        return True
+
     def reduce_scatter(self, output: Any, inputs: List[Any], op: ReduceOp, call: Call) -> None:
-        out = host_view(output)
         pieces = [flat_in(host_view(t)) for t in inputs]
-        whole = np.concatenate(pieces)
-        if self._seg_reduce_scatter(whole, out, op, call) \
-                or (all(p.size == out.size for p in pieces)
-                    and self._node_reduce_scatter(whole, out, op, call)):
-            return
-        with flat_out(out) as flat:
-            self._reduce_scatter(pieces, flat, op, call)
+        self._reduce_scatter(host_view(output), pieces, np.concatenate(pieces), op, call)
 
     def reduce_scatter_tensor(self, output: Any, tensor: Any, op: ReduceOp, call: Call) -> None:
         src = flat_in(host_view(tensor))
         out = host_view(output)
-        if self._seg_reduce_scatter(src, out, op, call) \
-                or self._node_reduce_scatter(src, out, op, call):
-            return
         n = out.size
         pieces = [src[j * n:(j + 1) * n] for j in range(self.ctx.size)]
-        with flat_out(out) as flat:
-            self._reduce_scatter(pieces, flat, op, call)
+        self._reduce_scatter(out, pieces, src, op, call)
 
-    def _reduce_scatter(self, pieces: Sequence[np.ndarray], flat: np.ndarray, op: ReduceOp,
-                        call: Call) -> None:
+    def _reduce_scatter(self, out: np.ndarray, pieces: Sequence[np.ndarray], whole: np.ndarray,
+                        op: ReduceOp, call: Call) -> None:
+        """``out`` = the reduction of every rank's ``pieces[me]`` (``whole``: the pieces
+        back to back, read only)."""
+        lane = self._lane(call)
+        if lane is not None:
+            with flat_out(out) as flat:
+                lane.run_reduce_scatter(call, whole, flat, op)
+            return
+        if all(p.size == out.size for p in pieces) \
+                and self._node_reduce_scatter(whole, out, op, call):
+            return
+        with flat_out(out) as flat:
+            self._scheduled_reduce_scatter(pieces, flat, op, call)
+
+    def _scheduled_reduce_scatter(self, pieces: Sequence[np.ndarray], flat: np.ndarray,
+                                  op: ReduceOp, call: Call) -> None:
         # parts of one size (every rank knows all sizes alike) run a schedule
         if all(p.size == flat.size and p.dtype == flat.dtype for p in pieces) \
                 and self._schedules("reduce_scatter", flat.nbytes * len(pieces), flat, op, call):
@@ -171,8 +194,12 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensor: Any, src: int, call: Call) -> None:
         arr = host_view(tensor)
-        if self.ctx.size > 1 and (self._seg_broadcast(arr, src, call)
-                                  or self._node_broadcast(arr, src, call)):
+        lane = self._lane(call)
+        if lane is not None:
+            with flat_out(arr) as flat:
+                lane.run_broadcast(call, flat, src)
+            return
+        if self._node_broadcast(arr, src, call):
             return
         with flat_out(arr) as flat:
             if self._scheduled("broadcast", flat, None, call, root=src):
@@ -185,9 +212,11 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def all_gather_into_tensor(self, output: Any, tensor: Any, call: Call) -> None:
         mine = flat_in(host_view(tensor))
         n = mine.size
-        if self.ctx.size > 1 and self._seg_gather_into(mine, host_view(output), call):
-            return
+        lane = self._lane(call)
         with flat_out(host_view(output)) as flat:
+            if lane is not None:
+                lane.run_all_gather(call, mine, flat, -1)
+                return
             outs = [flat[j * n:(j + 1) * n] for j in range(self.ctx.size)]
             self._gather(mine, outs, call)
 
@@ -198,7 +227,13 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def _gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                 root: Optional[int] = None) -> None:
         """all_gather (every rank's ``mine`` into ``outs``) or gather (into ``root``'s)."""
-        if self.ctx.size > 1 and self._seg_gather(mine, outs, call, root):
+        lane = self._lane(call)
+        if lane is not None:
+            with ExitStack() as stack:  # each output its own buffer (none off the root)
+                flats = ([] if root is not None and self.ctx.rank != root else
+                         [stack.enter_context(flat_out(o)) for o in outs])
+                lane.run_all_gather(call, flat_in(mine), None, -1 if root is None else root,
+                                    flats)
             return
         if root is None and self._node_all_gather(mine, outs, call):
             return
@@ -219,7 +254,10 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def scatter(self, output: Any, inputs: Optional[List[Any]], src: int, call: Call) -> None:
         out = host_view(output)
         arrays = [host_view(t) for t in inputs or []] if self.ctx.rank == src else []
-        if self.ctx.size > 1 and self._seg_scatter(out, inputs, src, call, host_view):
+        lane = self._lane(call)
+        if lane is not None:
+            with flat_out(out) as flat:
+                lane.run_scatter(call, [flat_in(a) for a in arrays], flat, src)
             return
         if self._net_scatter(out, arrays, src, call):
             return
@@ -232,13 +270,16 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
                           input_splits: List[int], call: Call) -> None:
         src = np.ascontiguousarray(host_view(tensor))
         trailing = tuple(src.shape[1:])
-        if self.ctx.size > 1 and self._seg_all_to_all_single(
-                host_view(output), src, int(np.prod(trailing, dtype=np.int64)) * src.itemsize,
-                output_splits, input_splits, call):
+        out = host_view(output)
+        lane = self._lane(call)
+        if lane is not None:  # the pieces are rows of the one input and output (no copy)
+            row = int(np.prod(trailing, dtype=np.int64)) * src.itemsize
+            with flat_out(out) as flat:
+                lane.run_all_to_all(call, [flat_in(src), flat], _pieces(1, input_splits, row),
+                                    _pieces(2, output_splits, row))
             return
         in_off = np.concatenate([[0], np.cumsum(input_splits)]).astype(int)
         ins = [src[in_off[j]:in_off[j + 1]] for j in range(self.ctx.size)]
-        out = host_view(output)
         with flat_out(out) as flat:
             shaped = flat.reshape((-1,) + trailing) if out.ndim else flat
             out_off = np.concatenate([[0], np.cumsum(output_splits)]).astype(int)
@@ -246,7 +287,14 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
             self._all_to_all(outs, ins, call)
 
     def _all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray], call: Call) -> None:
-        if self.ctx.size > 1 and self._seg_all_to_all(outs, ins, call):
+        lane = self._lane(call)
+        if lane is not None:  # each piece its own buffer
+            size = self.ctx.size
+            with ExitStack() as stack:
+                bufs = [flat_in(a) for a in ins] + [stack.enter_context(flat_out(o))
+                                                     for o in outs]
+                pieces = [(1 + j, 0, b.nbytes) for j, b in enumerate(bufs)]
+                lane.run_all_to_all(call, bufs, pieces[:size], pieces[size:])
             return
         if self._net_all_to_all(outs, ins, call):
             return
@@ -255,9 +303,12 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
     def barrier(self, call: Call) -> None:
         # monitored_barrier stays on the coordinator: it reports who is missing, and does not
         # break the group when it times out
-        if call.op == "barrier" and self.ctx.size > 1 and (
-                self._seg_barrier(call)
-                or self._scheduled("all_reduce", np.zeros(1, np.uint8), ReduceOp.SUM, call)):
+        lane = self._lane(call) if call.op == "barrier" else None
+        if lane is not None:
+            lane.run_barrier(call)
+            return
+        if call.op == "barrier" and self.ctx.size > 1 \
+                and self._scheduled("all_reduce", np.zeros(1, np.uint8), ReduceOp.SUM, call):
             return
         self.ctx.exchange(call, 0, None)
 
@@ -268,11 +319,9 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
 
     def send(self, tensor: Any, dst: int, tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
-        mailbox = self.ctx.mailbox()
-        if isinstance(mailbox, PairPipes):
-            self.pair_pipes = mailbox
-        if mailbox is not None:  # straight to the peer (pair pipes or direct connections)
-            done = mailbox.send(arr, dst, tag, array_meta(arr), timeout_s)
+        pipes = self.pair_pipes = self.ctx.pair_pipes()
+        if pipes is not None:  # straight to the peer
+            done = pipes.send(arr, dst, tag, array_meta(arr), timeout_s)
 
             def finish() -> Optional[int]:
                 done()
@@ -296,11 +345,9 @@ class ObjstoreBackend(NodePaths, SegmentPaths, SocketPaths, ScheduledAlgorithms,
 
     def recv(self, tensor: Any, src: Optional[int], tag: int, timeout_s: float) -> Completion:
         arr = host_view(tensor)
-        mailbox = self.ctx.mailbox()
-        if isinstance(mailbox, PairPipes):
-            self.pair_pipes = mailbox
-        if mailbox is not None:
-            return mailbox.recv(arr, src, tag, array_meta(arr), timeout_s)
+        pipes = self.pair_pipes = self.ctx.pair_pipes()
+        if pipes is not None:
+            return pipes.recv(arr, src, tag, array_meta(arr), timeout_s)
         ref = self.ctx.p2p_recv(src, tag, array_meta(arr), timeout_s)
         call = Call("recv", -1, timeout_s)
 
@@ -322,3 +369,12 @@ def _posted() -> Optional[int]:
     """A small send through the coordinator: complete once posted (the coordinator keeps the
     message for its receive, which sees any mismatch)."""
     return None
+
+
+def _pieces(buf: int, splits: Sequence[int], row_bytes: int) -> List[Tuple[int, int, int]]:
+    """(buffer, offset, bytes) of consecutive pieces of ``splits`` rows each."""
+    out, at = [], 0
+    for rows in splits:
+        out.append((buf, at, int(rows) * row_bytes))
+        at += int(rows) * row_bytes
+    return out

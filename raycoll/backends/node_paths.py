@@ -76,7 +76,7 @@ class NodePaths:
                 or not self._planned(collective, nbytes, itemsize, root):
             return None
         plane = ctx.sparse_transport(call)
-        if plane is None or getattr(plane, "native", None) is None:
+        if plane is None:
             return None
         if self._node is None:
             self._node = set_up_node_segment(ctx, call) or False
@@ -123,12 +123,8 @@ class NodePaths:
         with flat_out(arr) if dst is None or self.ctx.rank == dst else _copy(arr) as flat:
             plan = node_plans.all_reduce(flat.size, flat.itemsize, self.ctx.node_ids,
                                          self.ctx.rank, node.half, _finishes(op))
-            self._node_run(plane, call, plan, flat, (), plane.native.codes(flat, op), op)
+            self._node_run(plane, call, plan, flat, (), plane.codes(flat, op), op)
         return True
-
-    def _node_reduce(self, arr: np.ndarray, dst: int, op: ReduceOp, call: Call) -> bool:
-        """reduce of ``arr`` into ``dst`` as the hierarchical all_reduce plan."""
-        return self._node_all_reduce(arr, op, call, dst)
 
     def _node_reduce_scatter(self, whole: np.ndarray, out: np.ndarray, op: ReduceOp,
                              call: Call) -> bool:
@@ -144,7 +140,7 @@ class NodePaths:
         with flat_out(out) as flat:
             plan = node_plans.reduce_scatter(flat.size, flat.itemsize, self.ctx.node_ids,
                                              self.ctx.rank, node.half, _finishes(op))
-            self._node_run(plane, call, plan, src, (flat,), plane.native.codes(flat, op), op)
+            self._node_run(plane, call, plan, src, (flat,), plane.codes(flat, op), op)
         return True
 
     def _node_broadcast(self, arr: np.ndarray, src: int, call: Call) -> bool:
@@ -189,10 +185,7 @@ class NodePaths:
                   more: Sequence[np.ndarray], codes: Tuple[int, int] = (0, 0),
                   op: Optional[ReduceOp] = None) -> None:
         """Run a hierarchical ``plan`` on the group's sockets and node segment."""
-        plane.native.run(call, plan, flat, codes, op, more, node=self._node)
-        plane._done = (call.op, call.seq)
-        plane.calls += 1
-        plane.report()
+        plane.run(call, plan, flat, codes, op, more, node=self._node)
         self.ctx.note_algorithm(call.op, NODE_ALGORITHM)
         self.ctx.note_rounds(call, plan.rounds, NODE_ALGORITHM)
 

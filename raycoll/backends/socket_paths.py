@@ -50,14 +50,11 @@ class SocketPaths:
     def _sockets(self, call: Call) -> Any:
         """The group's direct connections if they run natively (set up in ``call`` if this
         is the group's first collective), else ``None`` (the same on every rank)."""
-        if self.ctx.size < 2:
-            return None
-        plane = self.ctx.sparse_transport(call)
-        return plane if getattr(plane, "native", None) is not None else None
+        return self.ctx.sparse_transport(call) if self.ctx.size > 1 else None
 
     def _run_exchange(self, plane: Any, call: Call, plan: NativePlan, first: np.ndarray,
                       more: Sequence[np.ndarray]) -> None:
-        plane.run_native(call, plan, first, (0, 0), None, more)
+        plane.run(call, plan, first, (0, 0), None, more)
         self.ctx.note_rounds(call, plan.rounds, "direct")
 
     def _net_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
@@ -147,7 +144,7 @@ class SocketPaths:
         peers = [j for j in range(size) if j != me]
         plan = plan_exchange(me, [(j, _FIRST, 0, n) for j in peers],
                              [(j, _MORE + j, 0, n) for j in peers], [], self.ctx.node_ids)
-        plane.run_native(call, plan, mine, (0, 0), None, list(theirs))
+        plane.run(call, plan, mine, (0, 0), None, list(theirs))
         half, name = size * SHAPE_WORDS, dtype_name(dtype)
         sends: Dict[int, Optional[List[Any]]] = {
             s: [(name, shape) for shape in _decode(theirs[s, :half])] for s in range(size)}

@@ -34,8 +34,8 @@
 extern "C" {
 #endif
 
-#define RC_MSG_MAGIC 0x3158434Eu /* the bytes "NCX1" (not "RC": frames.py's magic) */
-/* A frame of the Python transports starts with these two bytes (frames.py's magic). */
+#define RC_MSG_MAGIC 0x3158434Eu /* the bytes "NCX1" (not "RC": a goodbye's) */
+/* A goodbye (links.py's GOODBYE, written as a rank closes its connections) is these two bytes. */
 #define RC_FOREIGN_0 0x52u
 #define RC_FOREIGN_1 0x43u
 

@@ -2,12 +2,11 @@
 reports for ``group_status``, the spin policy, and the failure path.
 
 :class:`RoundTransport` is the base of the two native transports, the node segment
-(:mod:`raycoll.transport.segment`) and the native sockets (:mod:`raycoll.transport.tcp`,
-running :mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
+(:mod:`raycoll.transport.segment`) and the native sockets
+(:mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
 dead rank, an abort or a timeout ends the wait with the coordinator's error; see
 ``Coordinator.transport_check``), the timeout naming the ranks that never arrived, and a
-rank's progress told to the coordinator at most once a period. The node segment also carries
-rounds of Python payloads (:meth:`RoundTransport.all_gather`: a join round's sequence numbers).
+rank's progress told to the coordinator at most once a period.
 
 A collective that runs while its caller goes on computing (``async_op=True``, on the group's
 worker thread, until someone waits for its ``Work``: see :func:`overlapping`) never spins:
@@ -25,7 +24,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from raycoll import errors
 from raycoll.coordinator.client import CHECK_TIMEOUT_S, PENDING_TIMEOUT_S, CoordinatorUnreachableError
@@ -35,14 +33,16 @@ from raycoll.transport.counters import Counters
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["RoundTransport", "SpinBackoff", "own", "overlapping", "may_spin", "await_explanation",
+__all__ = ["RoundTransport", "SpinBackoff", "overlapping", "may_spin", "await_explanation",
            "report_period_s", "segment_failure"]
 
 
 #: A waiting rank asks the coordinator first after ``CHECK_FIRST_S``, then at intervals that
-#: double up to ``CHECK_MAX_S``.
+#: double up to ``CHECK_MAX_S``; a wait asleep in the native core wakes every ``TICK_S`` to
+#: check its peers' processes (and abort flags).
 CHECK_FIRST_S = 0.1
 CHECK_MAX_S = 1.0
+TICK_S = 0.01
 #: ``waited_s`` that has the coordinator probe the ranks named at once (see ``check``).
 PROBE_NOW = float("inf")
 #: A transport error (not a timeout) waits this long for the coordinator to explain it (a
@@ -66,6 +66,13 @@ def overlapping(waited: threading.Event) -> Iterator[None]:
         yield
     finally:
         _OVERLAP.waited = before
+
+
+def wait_policy(spin_ns: int,
+                first_check_s: float = CHECK_FIRST_S) -> Tuple[int, int, int, int]:
+    """A native wait's policy: how long it spins, its tick, its first check with the
+    coordinator and the most between two (nanoseconds each, as the core takes them)."""
+    return spin_ns, int(TICK_S * 1e9), int(first_check_s * 1e9), int(CHECK_MAX_S * 1e9)
 
 
 def may_spin() -> bool:
@@ -127,16 +134,6 @@ class SpinBackoff:
         return self.on
 
 
-def own(value: Any) -> Any:
-    """A copy of a received payload that pins no transport buffer."""
-    if isinstance(value, np.ndarray):
-        return np.array(value)
-    if isinstance(value, (list, tuple)):
-        copied = [own(v) for v in value]
-        return type(value)(copied) if isinstance(value, list) else tuple(copied)
-    return value
-
-
 def segment_failure(transport: "RoundTransport", call: "Call", seg: Any, status: int,
                     peer: int, ranks: Sequence[int],
                     broken: Callable[[], None]) -> Optional[BaseException]:
@@ -195,16 +192,14 @@ def await_explanation(check: Callable[[], None], grace_s: float) -> Optional[Bas
 
 
 class RoundTransport:
-    """One group's round transport on this rank (see the module docstring)."""
+    """One group's native transport on this rank (see the module docstring)."""
 
     #: What the transport is called in errors, and its short name (``group_status``).
     name = "transport"
     kind = "?"
 
-    def __init__(self, ctx: "GroupContext", epoch: str, peers: Sequence[int]) -> None:
+    def __init__(self, ctx: "GroupContext") -> None:
         self.ctx = ctx
-        self.epoch = epoch
-        self._peers = sorted(peers)
         #: per collective kind, what this rank sent and received (the native sockets count)
         self.counters: Dict[str, Counters] = {}
         self._poisoned = False
@@ -222,16 +217,6 @@ class RoundTransport:
         self.failure_grace_s = FAILURE_GRACE_S
 
     # ------------------------------------------------------------------ hooks
-    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
-                    dests: Optional[Sequence[int]] = None,
-                    sources: Optional[Sequence[int]] = None) -> List[Any]:
-        """One round of Python payloads (the node segment has them: :meth:`all_gather`)."""
-        raise TypeError(f"the {self.name} has no rounds of Python payloads")
-
-    def reject(self, call: "Call", message: str) -> None:
-        """This rank rejected its arguments for ``call``: its peers learn it from the
-        coordinator (a transport may tell them sooner)."""
-
     def _shut(self) -> None:
         """Close after a failure, so that a rank arriving late fails too."""
 
@@ -239,27 +224,6 @@ class RoundTransport:
         """Release what the transport holds at the end of the group."""
 
     # ------------------------------------------------------------------ the collective
-    def all_gather(self, call: "Call", payload: Any, sub: int = 0, views: bool = False,
-                   dests: Optional[Sequence[int]] = None,
-                   sources: Optional[Sequence[int]] = None) -> List[Any]:
-        """Every rank's ``payload`` for round ``sub`` of ``call``, by group rank (ours as
-        given). ``views=True``: peers' arrays may be read-only views of the transport's
-        buffers, valid until this rank's next round on it (drop every reference by then).
-        ``dests``/``sources``: only these group ranks."""
-        try:
-            return self._all_gather(call, payload, sub, views, dests, sources)
-        except (errors.CollectiveMismatchError, errors.PeerArgumentError):
-            raise  # the call failed on every rank alike; the group goes on
-        except BaseException:
-            # The group is broken (timeout, dead rank, abort): close, so that a rank arriving
-            # late fails instead of completing with the messages we left.
-            self._poisoned = True
-            try:
-                self._shut()
-            except Exception:  # noqa: BLE001 - best effort: the coordinator knows
-                pass
-            raise
-
     def tally(self, op: str) -> Counters:
         """The counters of collective kind ``op`` (made on first use)."""
         tally = self.counters.get(op)

@@ -1,6 +1,8 @@
 """Direct connections of a group on this rank: where this process listens, the hello that
-admits a connection to its group, and :class:`Links`, one group's connections by peer and
-purpose (see :mod:`raycoll.transport.tcp` for the whole design).
+admits a connection to its group, the goodbye that closes one, and :class:`Links`, one
+group's connections by peer and purpose (see :mod:`raycoll.transport.tcp` for the whole
+design). The native core carries everything between the two (collectives' messages:
+``raycoll/native/net.h``; point-to-point's: ``raycoll/native/sockpipe.h``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from raycoll import errors
-from raycoll.transport.frames import (
-    BYE,
-    FrameError,
-    PeerClosed,
-    PeerLeft,
-    Writer,
-    encode_round,
-)
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import GroupContext
@@ -32,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("raycoll")
 
 __all__ = ["listen_address", "listener", "tcp_possible", "Links", "Out", "peer_failure",
-           "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S", "CLOSED_GRACE_S"]
+           "PeerClosed", "PeerLeft", "GOODBYE", "IFNAME_ENV", "UNIX_ENV", "HELLO_TIMEOUT_S",
+           "CLOSED_GRACE_S"]
 
 IFNAME_ENV = "RAYCOLL_SOCKET_IFNAME"
 #: ``RAYCOLL_UNIX_SOCKETS=0``: peers on one node connect over TCP too.
@@ -41,7 +36,7 @@ _HELLO_MAGIC = b"RCL1"
 _SECRET_BYTES = 16
 #: magic, secret, sender rank, purpose, group-name length
 _HELLO = struct.Struct(f"!4s{_SECRET_BYTES}sIBH")
-_PURPOSES = ("coll", "p2p", "ncoll")
+_PURPOSES = ("p2p", "ncoll")
 #: A hello must arrive this fast, and its group be known here within this long.
 HELLO_TIMEOUT_S = 10.0
 #: A closed connection waits this long for the coordinator to explain it before its peer
@@ -50,6 +45,24 @@ HELLO_TIMEOUT_S = 10.0
 CLOSED_GRACE_S = 1.0
 #: poll() events that say a connection's other end is closed.
 _CLOSED_EVENTS = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+#: What a rank writes on each of its connections as it closes them, destroying its group or
+#: finding it broken: the two bytes the native core takes for a goodbye (``RC_FOREIGN_0``,
+#: ``RC_FOREIGN_1`` in ``raycoll/native/net.h``), shorter than any message header, so that a
+#: peer still reading learns that this rank left (``PeerLeft``), not that it died.
+GOODBYE = b"RC"
+
+
+class HelloError(ConnectionError):
+    """A connection's hello that does not parse, or names another group, secret or rank."""
+
+
+class PeerClosed(ConnectionError):
+    """The peer's end of a connection closed without a goodbye: its process is gone."""
+
+
+class PeerLeft(ConnectionError):
+    """The peer closed the connection after its goodbye: it destroyed its group, or found
+    it broken."""
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -135,7 +148,7 @@ class _Listener:
             raw = _recv_exact(conn, _HELLO.size)
             magic, secret, src, purpose, name_len = _HELLO.unpack(raw)
             if magic != _HELLO_MAGIC or purpose >= len(_PURPOSES) or name_len > 4096:
-                raise FrameError("not a raycoll hello")
+                raise HelloError("not a raycoll hello")
             key = _recv_exact(conn, name_len).decode()
             deadline = time.monotonic() + HELLO_TIMEOUT_S
             with self._lock:
@@ -144,7 +157,7 @@ class _Listener:
                 links = self._groups.get(key)
             if links is None or not hmac.compare_digest(secret, links.secret) \
                     or not 0 <= src < links.size or src == links.rank:
-                raise FrameError("wrong group, secret or rank")
+                raise HelloError("wrong group, secret or rank")
             conn.settimeout(None)
             conn.setblocking(False)
             _tune(conn)
@@ -223,14 +236,11 @@ def tcp_possible(ctx: "GroupContext") -> bool:
 
 # ---------------------------------------------------------------------------- connections
 class Out:
-    """An outgoing connection, written in the order its messages were posted."""
+    """An outgoing connection (the native core writes it: collectives' messages, or a
+    socket pipe's)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.turn = threading.Condition()
-        self.next_ticket = 0
-        self.serving = 0
-        self.broken: Optional[BaseException] = None
 
 
 class Links:
@@ -283,35 +293,24 @@ class Links:
         return self._in.get(key)
 
     def wake(self) -> None:
-        """End a ``select`` waiting here (a new connection came)."""
+        """End a :meth:`wait` (a new connection came)."""
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
 
-    def wait(self, read: Sequence[socket.socket], write: Sequence[socket.socket],
-             seconds: float) -> None:
-        """Until one of ``read`` is readable, one of ``write`` writable, a new connection
-        comes, or ``seconds`` pass."""
+    def wait(self, seconds: float) -> None:
+        """Until a new connection comes, or ``seconds`` pass."""
         if self._closed:
             time.sleep(seconds)
             return
-        # poll, not select: no limit on descriptor numbers (select fails from 1024 on)
-        masks: Dict[int, int] = {self._wake_r.fileno(): select.POLLIN}
         try:
-            for sock in read:
-                fd = sock.fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLIN
-            for sock in write:
-                fd = sock.fileno()
-                masks[fd] = masks.get(fd, 0) | select.POLLOUT
             poller = select.poll()
-            for fd, mask in masks.items():
-                poller.register(fd, mask)
+            poller.register(self._wake_r.fileno(), select.POLLIN)
             ready = poller.poll(max(0.0, seconds) * 1000.0)
-        except (OSError, ValueError):  # a socket closed under us: the next read says why
+        except (OSError, ValueError):  # closed under us: the caller's next look says why
             return
-        if any(fd == self._wake_r.fileno() for fd, _ in ready):
+        if ready:
             try:
                 while self._wake_r.recv(4096):
                     pass
@@ -323,7 +322,7 @@ class Links:
         """The connection to group rank ``dst`` for ``purpose`` (connecting if needed)."""
         with self._lock:
             out = self._out.get((dst, purpose))
-            if out is not None and out.broken is None:
+            if out is not None:
                 return out
             if self._closed:
                 raise PeerClosed(f"group {self.key!r} is closed on this rank")
@@ -369,8 +368,7 @@ class Links:
                 return found
             for peer in peers:
                 out = self._out.get((peer, purpose))
-                if out is not None and out.broken is None and _open(out.sock) \
-                        and check("out", peer):
+                if out is not None and _open(out.sock) and check("out", peer):
                     found.append(("out", peer))
                 sock = self._in.get((peer, purpose))
                 if sock is not None and _open(sock) and check("in", peer):
@@ -404,13 +402,6 @@ class Links:
                     self._in[(peer, purpose)] = conn
             self.adopted += len(conns)
             self._lock.notify_all()
-
-    def drop(self, dst: int, purpose: str, out: Out) -> None:
-        """Close an outgoing connection whose stream is no longer whole."""
-        with self._lock:
-            if self._out.get((dst, purpose)) is out:
-                del self._out[(dst, purpose)]
-        out.sock.close()
 
     def sockets(self, purpose: Optional[str] = None) -> int:
         """How many connections this rank holds in the group (for ``purpose`` only, if
@@ -474,9 +465,9 @@ class Links:
             return False
         return False
 
-    def close(self, goodbye: str = BYE) -> None:
-        """Close every connection, first telling the peers why (``"bye"``: the group was
-        destroyed here; ``"abort"``: it is broken)."""
+    def close(self) -> None:
+        """Close every connection, first saying goodbye (:data:`GOODBYE`): the group was
+        destroyed here, or found broken."""
         with self._lock:
             if self._closed:
                 return
@@ -490,7 +481,7 @@ class Links:
             self._listener.unregister(self)
         for out in outs:
             try:  # best effort: a peer still reading learns we left, not died
-                Writer(encode_round(goodbye)).push(out.sock)
+                out.sock.send(GOODBYE)
             except OSError:
                 pass
         for sock in socks:
@@ -522,11 +513,9 @@ def peer_failure(links: Links, global_ranks: Sequence[int], where: str, src: Opt
             f"rank {me} without a goodbye: {'its process' if len(who) == 1 else 'their processes'}"
             " died; the group is broken", failed_ranks=who, **ctx)
     if isinstance(exc, PeerLeft) and src is not None:
-        did = ("left the group (destroyed it)" if exc.why == BYE
-               else "found the group broken and closed its connections")
         return errors.GroupBrokenError(
-            f"{where}: rank {global_ranks[src]} {did} while rank {me} still needed it; the "
-            "group is broken", **ctx)
+            f"{where}: rank {global_ranks[src]} left the group (destroyed it, or found it "
+            f"broken) while rank {me} still needed it; the group is broken", **ctx)
     return errors.GroupBrokenError(
         f"{where}: the direct connection failed on rank {me} ({type(exc).__name__}: {exc}); "
         "the group is broken", **ctx)

@@ -1,11 +1,11 @@
 """A schedule's steps over the group's direct connections, run natively: one call of the
 compiled core for a whole collective (``raycoll/native/net.h`` has the protocol; the plan is
-:mod:`raycoll.algorithms.native_plans`), with the GIL released and no Python between two
+made by :mod:`raycoll.algorithms.native_plans` and handed in), with the GIL released and no Python between two
 messages: vectored sends of header and data, receives straight into the destination, the
 reductions in place.
 
-Used by :class:`~raycoll.transport.tcp.TcpTransport` when every rank of the group has the
-native core (rendezvous tells). Its messages go over connections of their own (purpose
+A group's transport on direct connections (:class:`NativeSockets`) where every rank of the
+group has the native core (rendezvous tells). Its messages go over connections of their own (purpose
 ``"ncoll"``, made on first use like the others), so that they never meet point-to-point's
 frames. The counters (``ProcessGroup.counters()``) gain exactly what moved, brought up to date once per run of calls of one kind (and when read), not per call.
 ``raycoll.all_reduce``'s short path replays what the full path ran for an array of the same
@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from raycoll import errors
-from raycoll.algorithms.native_plans import NativePlan, plan_schedule
-from raycoll.algorithms.schedule import Schedule
 from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
-from raycoll.transport.base import SpinBackoff, may_spin
+from raycoll.transport.base import RoundTransport, SpinBackoff, may_spin, wait_policy
+from raycoll.transport.cores import host_ranks, oversubscribed
 from raycoll.tensors import dtype_name
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
-from raycoll.transport.frames import PeerClosed, PeerLeft
-from raycoll.transport.links import peer_failure
+from raycoll.transport.links import CLOSED_GRACE_S, Links, PeerClosed, PeerLeft, peer_failure
 
 if TYPE_CHECKING:  # pragma: no cover
+    from raycoll.algorithms.native_plans import NativePlan  # (plans are handed in)
+    from raycoll.context import GroupContext
     from raycoll.reduce_op import ReduceOp
 
 __all__ = ["NativeSockets", "SPIN_S"]
@@ -49,21 +49,23 @@ __all__ = ["NativeSockets", "SPIN_S"]
 #: How long a wait on the sockets spins (non-blocking reads) before it polls, where the
 #: group's ranks on this machine fit its cores.
 SPIN_S = 50e-6
-TICK_NS = 10_000_000
-CHECK_FIRST_NS = 100_000_000
-CHECK_MAX_NS = 1_000_000_000
 #: The most plans a rank keeps.
 _CACHE = 64
 
 
-class NativeSockets:
-    """One group's native runs over its direct connections, on this rank."""
+class NativeSockets(RoundTransport):
+    """A group's collectives over its direct connections on this rank: each a plan of the
+    native executor, checked with the coordinator while it waits. Made only where every
+    rank of the group has the native core."""
 
-    def __init__(self, tcp: Any, crowded: bool) -> None:
-        """``tcp``: the group's :class:`~raycoll.transport.tcp.TcpTransport` (its links, its
-        checks with the coordinator, its counters)."""
-        self.tcp = tcp
-        size = tcp.ctx.size
+    name = "direct connection"
+    kind = "tcp"
+
+    def __init__(self, ctx: "GroupContext", links: Links) -> None:
+        super().__init__(ctx)
+        self.links = links
+        self.failure_grace_s = CLOSED_GRACE_S
+        size = ctx.size
         #: each peer's sockets (-1 until connected), and what each incoming connection kept
         #: between calls (a header read ahead)
         self.out_fd = np.full(size, -1, dtype=np.int64)
@@ -75,18 +77,16 @@ class NativeSockets:
         #: the kind of the calls run since the counters were last brought up to date, and
         #: their rounds (:meth:`_tally`)
         self._window: Tuple[Optional[str], int] = (None, 0)
-        nodes = tcp.ctx.node_ids
-        self._same_node = np.array([n == nodes[tcp.ctx.rank] for n in nodes])
-        self._plans: Dict[Any, NativePlan] = {}
+        nodes = ctx.node_ids
+        self._same_node = np.array([n == nodes[ctx.rank] for n in nodes])
         #: all_reduces the full path ran here, by (dtype, elements, op), and the short
         #: path's entries made of them, by (dtype, shape, op): :meth:`fast_plan`
         self._replays: Dict[Any, Tuple[NativePlan, Tuple[int, int], str]] = {}
         self._fast: Dict[Any, Any] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
         self._fps = Fingerprints()
-        spin = 0 if crowded else int(SPIN_S * 1e9)
-        self._spinning = (spin, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
-        self._no_spin = (0, TICK_NS, CHECK_FIRST_NS, CHECK_MAX_NS)
+        spin = 0 if oversubscribed(host_ranks(ctx)) else int(SPIN_S * 1e9)
+        self._spinning, self._no_spin = wait_policy(spin), wait_policy(0)
         #: runs' waits stop spinning a while where spins keep running out (a loaded machine,
         #: a loop that computes between calls), counted by the core per peer (``spin_fails``)
         self._backoff = SpinBackoff(bool(spin))
@@ -100,17 +100,13 @@ class NativeSockets:
         #: the process reused meanwhile.
         self._lock = threading.Lock()
         self._busy = 0
-        self._closed = False
+        self._fds_closed = False
 
-    def plan(self, key: Any, schedule: Schedule, itemsize: int, reducing: bool) -> NativePlan:
-        """This rank's native plan of ``schedule`` (cached by ``key``)."""
-        got = self._plans.get(key)
-        if got is None:
-            if len(self._plans) >= _CACHE:
-                self._plans.pop(next(iter(self._plans)))
-            got = self._plans[key] = plan_schedule(schedule, self.tcp.ctx.rank, itemsize,
-                                                   reducing, self.tcp.ctx.node_ids)
-        return got
+    @property
+    def fast(self) -> "NativeSockets":
+        """What runs ``raycoll.all_reduce``'s short path here: these sockets
+        (:meth:`fast_plan`)."""
+        return self
 
     def codes(self, flat: np.ndarray, op: Optional["ReduceOp"]) -> Optional[Tuple[int, int]]:
         """(dtype code, op code) when the core can run ``flat``'s collective with ``op``
@@ -154,8 +150,8 @@ class NativeSockets:
         runs, without its probes."""
         plan, codes, op, fp, algorithm = entry
         call = Call("all_reduce", seq, timeout_s, fp)
-        self.tcp.run_native(call, plan, arr.reshape(-1), codes, op)
-        self.tcp.ctx.note_rounds(call, plan.rounds, algorithm)
+        self.run(call, plan, arr.reshape(-1), codes, op)
+        self.ctx.note_rounds(call, plan.rounds, algorithm)
 
     @property
     def spins_failed(self) -> int:
@@ -167,7 +163,7 @@ class NativeSockets:
         """Make the connections ``plan`` uses (the first time only): this rank's outgoing
         ones first, then it waits for its peers' (they connect as this rank does, so none
         waits on another in a cycle)."""
-        links = self.tcp.links
+        links = self.links
         for dst in plan.sends_to:
             if self.out_fd[dst] < 0:
                 self._own(self.out_fd, dst, links.outgoing(dst, "ncoll", call.timeout_s).sock)
@@ -183,16 +179,16 @@ class NativeSockets:
                 return
             now = time.monotonic()
             if now - self._began > call.timeout_s:
-                raise self.tcp.time_out(call, missing)
+                raise self.time_out(call, missing)
             if now >= next_check:
-                self.tcp.check(call, missing, now - self._began)
+                self.check(call, missing, now - self._began)
                 next_check = now + 0.5
-            links.wait([], [], 0.01)
+            links.wait(0.01)
 
     def _own(self, table: np.ndarray, slot: int, sock: socket.socket) -> None:
         """Keep a descriptor of ``sock``'s connection of this object's own (a dup)."""
         with self._lock:
-            if self._closed:
+            if self._fds_closed:
                 raise PeerClosed("the group is closed on this rank")
             table[slot] = os.dup(sock.fileno())
 
@@ -212,20 +208,31 @@ class NativeSockets:
         """A run ended: the last one out after a close closes the descriptors."""
         with self._lock:
             self._busy -= 1
-            last = self._closed and self._busy == 0
+            last = self._fds_closed and self._busy == 0
         if last:
             self._close_fds()
+
+    def fail_broken(self) -> None:
+        """A run broke the group: close the connections (telling the peers), so that a rank
+        arriving late fails too."""
+        self._poisoned = True
+        try:
+            self._shut()
+        except Exception:  # noqa: BLE001 - best effort: the coordinator knows
+            pass
+
+    def _shut(self) -> None:
+        self.links.close()  # broken: the peers must fail too
 
     def close(self) -> None:
         """The group is closing on this rank: the descriptors are closed now, or by the run
         still using them when it ends (the links' close shut the connections under it)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            idle = self._busy == 0
+            idle = not self._fds_closed and self._busy == 0
+            self._fds_closed = True
         if idle:
             self._close_fds()
+        super().close()
 
     def _close_fds(self) -> None:
         for table in (self.out_fd, self.in_fd):
@@ -243,13 +250,14 @@ class NativeSockets:
         """Run ``plan`` for ``call`` on ``flat`` (in place; buffer 0, the scratch is 1, and
         ``more``, contiguous arrays, are 2, 3, ...); raise the call's error. ``node``: the
         group's :class:`~raycoll.transport.node_segment.NodeSegment`, whose segment the
-        plan's segment operations run on in the same call (hierarchical plans)."""
+        plan's segment operations run on in the same call (hierarchical plans). Reports this
+        rank's progress to the coordinator at most once a period."""
         self._began = time.monotonic()
         self._call = call
         with self._lock:
-            if self._closed:
+            if self._fds_closed:
                 raise errors.GroupDestroyedError(
-                    f"{call.op} #{call.seq} on group {self.tcp.ctx.group_name!r}: the group "
+                    f"{call.op} #{call.seq} on group {self.ctx.group_name!r}: the group "
                     "was destroyed on this rank")
             self._busy += 1
             if call.op != self._window[0]:
@@ -266,6 +274,10 @@ class NativeSockets:
         finally:
             self._idle()
         self._window = (call.op, self._window[1] + plan.rounds)
+        self._done = (call.op, call.seq)
+        self.calls += 1
+        if self._report_timer is None:  # (else the timer's report is on its way)
+            self.report()
 
     def flush(self) -> None:
         """Bring the counters up to date (before they are read): the traffic of the calls
@@ -296,7 +308,7 @@ class NativeSockets:
         if kind is None:
             return
         same = self._same_node
-        tally = self.tcp.tally(kind)
+        tally = self.tally(kind)
         tally.bytes_sent_same_node += int(moved[same, 0].sum())
         tally.bytes_sent_other_node += int(moved[~same, 0].sum())
         tally.bytes_recv_same_node += int(moved[same, 1].sum())
@@ -312,7 +324,7 @@ class NativeSockets:
         self._connect(call, plan)
         if self._scratch.nbytes < plan.scratch:
             self._scratch = np.empty(plan.scratch, dtype=np.uint8)
-        size = self.tcp.ctx.size
+        size = self.ctx.size
         factor = float(op.factor or 1.0) if op is not None else 1.0
         divisor = size if op is not None and op.name == "AVG" else 0
         fp = self._fps.hash(call.fp)
@@ -326,7 +338,7 @@ class NativeSockets:
                 self._check, (self.out_fd, self.in_fd, self.conns, fp),
                 node.rank_map if node is not None else b"")
         finally:
-            self.tcp._waiting = None
+            self._waiting = None
             self._runs += 1
         if spinning:
             fails = int(self.conns["spin_fails"].sum())
@@ -334,8 +346,8 @@ class NativeSockets:
                 self._spin_fails = fails
                 self._backoff.spun_out(self._runs)
         if status:
-            got = (node.failed(self.tcp.ctx, self.tcp, call, status, peer)
-                   if node is not None and node.seg is not None and not self._closed else None)
+            got = (node.failed(self.ctx, self, call, status, peer)
+                   if node is not None and node.seg is not None and not self._fds_closed else None)
             raise got if got is not None else self._failed(call, status, peer, err, broke, exc,
                                                            node)
 
@@ -344,17 +356,17 @@ class NativeSockets:
         call = self._call
         if call is None:  # pragma: no cover - run() sets it first
             return
-        self.tcp._waiting = (call.seq, list(pending))
+        self._waiting = (call.seq, list(pending))
         elapsed = time.monotonic() - self._began
         if elapsed > call.timeout_s:
-            raise self.tcp.time_out(call, list(pending))
-        self.tcp.check(call, list(pending), elapsed)
+            raise self.time_out(call, list(pending))
+        self.check(call, list(pending), elapsed)
 
     def _tell_others(self, call: "Call", message: str) -> None:
         """The ranks that do not hear from this one (their schedule never reads it, or the
         rank that left the call out) learn of the mismatch from the coordinator, at their
         wait's next check."""
-        ctx = self.tcp.ctx
+        ctx = self.ctx
         try:
             ctx.client.submit_reject(ctx.group_name, ctx.global_ranks, call.seq, ctx.rank,
                                      call.op, message, kind="mismatch")
@@ -365,16 +377,16 @@ class NativeSockets:
                 exc: Optional[BaseException], node: Any = None) -> BaseException:
         """The error of a run that ended with ``status``. ``broke``: the core shut the call's
         sockets itself (the failure breaks the group); ``exc``: what the check raised."""
-        ctx = self.tcp.ctx
+        ctx = self.ctx
         where = f"{call.op} #{call.seq} on group {ctx.group_name!r}"
         ranks = ctx.global_ranks
-        if self._closed:  # destroyed on this rank while the call ran: its sockets were shut
+        if self._fds_closed:  # destroyed on this rank while the call ran: its sockets were shut
             return errors.GroupDestroyedError(
                 f"{where}: the group was destroyed on this rank while the call ran")
         if status == core.CHECK:
             assert exc is not None, "the core hands back the check's exception"
             if broke:
-                self.tcp.fail_broken()
+                self.fail_broken()
                 ctx.fail(exc if isinstance(exc, errors.RaycollError) else
                          errors.GroupBrokenError(
                              f"{where}: rank {ranks[ctx.rank]} left the call mid-way "
@@ -383,7 +395,7 @@ class NativeSockets:
             return exc
         if broke and status in (core.MISMATCH, core.SEQ):  # found while a message of this
             # rank's was left mid-way: the core shut that connection, the group is broken
-            self.tcp.fail_broken()
+            self.fail_broken()
             ctx.fail(errors.GroupBrokenError(
                 f"{where}: the ranks' calls differ, and rank {ranks[ctx.rank]} had to leave a "
                 "message mid-way; the group is broken", **ctx.ctx(call)))
@@ -398,7 +410,7 @@ class NativeSockets:
             self._tell_others(call, message)
             return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status == core.SEQ:
-            explained = self.tcp._explained(call)
+            explained = self._explained(call)
             if explained is not None:
                 return explained
             message = (f"{where}: rank {ranks[peer]} left it out (it is at a later "
@@ -407,20 +419,20 @@ class NativeSockets:
             return errors.CollectiveMismatchError(message, **ctx.ctx(call))
         if status in (core.PEER_CLOSED, core.FOREIGN):
             closed: BaseException = (
-                PeerLeft(f"rank {ranks[peer]} closed the connection", "abort")
+                PeerLeft(f"rank {ranks[peer]} closed the connection")
                 if status == core.FOREIGN
                 else PeerClosed(f"rank {ranks[peer]} closed the connection"))
-            suspects = self.tcp.links.suspects(peer, closed)
-            self.tcp.fail_broken()
-            explained = self.tcp._explained(call, suspects)
+            suspects = self.links.suspects(peer, closed)
+            self.fail_broken()
+            explained = self._explained(call, suspects)
             if explained is not None:
                 return explained
-            failure = peer_failure(self.tcp.links, ranks, where, peer, closed, **ctx.ctx(call))
+            failure = peer_failure(self.links, ranks, where, peer, closed, **ctx.ctx(call))
             ctx.fail(failure)
             return failure
-        self.tcp.fail_broken()
+        self.fail_broken()
         if status == core.IOERR:  # a socket the kernel gave up on (ETIMEDOUT on a link that
-            explained = self.tcp._explained(call)  # crawls, say): the group's first error,
+            explained = self._explained(call)  # crawls, say): the group's first error,
             if explained is not None:  # where it has one (a timeout elsewhere), is the cause
                 return explained
         detail = {core.GARBLED: f"a garbled frame from rank {ranks[peer]} (its stream does "
@@ -436,9 +448,3 @@ class NativeSockets:
 
 def _bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
-
-
-def native_sockets_possible(ctx: Any, peers: Sequence[int]) -> bool:
-    """Whether a group on direct connections runs its schedules natively: every rank has
-    the native core."""
-    return core is not None and bool(ctx.native) and len(peers) > 0

@@ -39,7 +39,7 @@ import numpy as np
 from raycoll import errors
 from raycoll.native import core
 from raycoll.transport import sockpipes
-from raycoll.transport.base import CHECK_FIRST_S, CHECK_MAX_S, SpinBackoff, may_spin
+from raycoll.transport.base import CHECK_FIRST_S, CHECK_MAX_S, SpinBackoff, may_spin, wait_policy
 
 __all__ = ["PairPipes", "EAGER_BYTES", "RING_BYTES", "SPIN_S"]
 
@@ -49,8 +49,6 @@ RING_BYTES = 512 << 10
 EAGER_BYTES = 64 << 10
 #: How long a wait spins before it sleeps (ranks that fit the node's cores only).
 SPIN_S = 200e-6
-#: How often a sleeping wait checks the peer's process.
-TICK_S = 0.01
 #: How long a rank waits for its peer to finish making the pair's pipe.
 OPEN_WAIT_S = 10.0
 #: Any-source receives poll the pipes, sleeping from this up to ``POLL_MAX_S`` between polls.
@@ -185,7 +183,7 @@ class PairPipes:
         self._waits += 1
         spin = self.spin_ns if may_spin() and self._backoff.spinning(self._waits) else 0
         first = min(CHECK_FIRST_S, max(timeout_s, 1e-3))
-        policy = (spin, int(TICK_S * 1e9), int(first * 1e9), int(CHECK_MAX_S * 1e9))
+        policy = wait_policy(spin, first)
 
         def check(waited_s: float, _pending: Any) -> None:
             if time.monotonic() > deadline:

@@ -121,7 +121,6 @@ class Keeper:
         self._secret = os.urandom(16)
         self._server: Optional[socket.socket] = None
         self._address: Tuple[str, int] = ("", 0)
-        self.served = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -206,7 +205,6 @@ class Keeper:
                     total = sum(v.nbytes for v in views)
                     _send_all(conn, [memoryview(_REPLY.pack(_MAGIC, _OK, total))]
                               + [v.data for v in views])
-                    self.served += 1
                 except (OSError, EOFError, ValueError, struct.error):
                     return  # the reader closed, or sent what is not a request
 
@@ -221,12 +219,6 @@ class RecvPool:
         self._lock = threading.Lock()
         self._idle: "OrderedDict[int, List[mmap.mmap]]" = OrderedDict()
         self._idle_bytes = 0
-        self.reused = 0
-
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes the pool holds, unused."""
-        return self._idle_bytes
 
     def take(self, nbytes: int) -> np.ndarray:
         """A flat uint8 array of ``nbytes`` (rounded up to 2 MiB underneath)."""
@@ -239,7 +231,6 @@ class RecvPool:
                 self._idle_bytes -= size
                 if not free:
                     del self._idle[size]
-                self.reused += 1
         if mm is None:
             mm = mmap.mmap(-1, size)
             if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -17,8 +17,8 @@ released while it copies, reduces and waits, and no Python runs between two step
 - **Waiting**: a rank spins for up to ``SPIN_S`` where the node's ranks fit its cores (never
   where they outnumber them, nor while its caller computes beside an async collective), then
   sleeps in the kernel (futex) until the peer it waits for publishes its step; every
-  ``TICK_S`` it checks that its peers' processes live (a dead one is named at once, before
-  Ray reports it) and their abort flags; after 0.1 s, and then at intervals doubling to 1 s,
+  ``TICK_S`` (:mod:`raycoll.transport.base`) it checks that its peers' processes live (a
+  dead one is named at once, before Ray reports it) and their abort flags; after 0.1 s, and then at intervals doubling to 1 s,
   it returns to Python for the coordinator's check and the call's deadline.
 - **Mismatches** (shape, dtype, op, root, collective) are found on a call's first step from
   the fingerprints every rank publishes, before any data is read: that call fails with
@@ -48,10 +48,9 @@ from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
-from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin, own,
-                                    segment_failure)
+from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin,
+                                    segment_failure, wait_policy)
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
-from raycoll.transport.frames import decode_frame, encode_round
 from raycoll.transport.cores import oversubscribed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,11 +66,6 @@ SEGMENT_BYTES = 4 << 20
 MIN_SEGMENT_BYTES = 64 << 10
 #: How long a wait spins before it sleeps (ranks that fit the node's cores only).
 SPIN_S = 200e-6
-#: How often a sleeping wait wakes to check its peers' processes and abort flags.
-TICK_S = 0.01
-#: When a wait first returns to Python (coordinator check, deadline), then up to this apart.
-CHECK_FIRST_S = 0.1
-CHECK_MAX_S = 1.0
 #: How long a rank waits for every rank to map the segment before it probes whether it may
 #: read their memory (else it says it may not: the group goes without cross-memory reads).
 MAPPED_WAIT_S = 10.0
@@ -192,8 +186,7 @@ def _all_mapped(seg: Any, size: int) -> bool:
 
 
 class SegmentLane(RoundTransport):
-    """A group's node segment on this rank: the native collectives, and rounds of Python
-    payloads (:meth:`all_gather`) for what has no native plan."""
+    """A group's node segment on this rank: the native collectives."""
 
     name = "node segment"
     kind = "lane"
@@ -206,7 +199,7 @@ class SegmentLane(RoundTransport):
         return self
 
     def __init__(self, ctx: "GroupContext", seg: Any, cma: bool = False) -> None:
-        super().__init__(ctx, "segment", [j for j in range(ctx.size) if j != ctx.rank])
+        super().__init__(ctx)
         self.seg = seg
         #: whether large collectives read the peers' buffers across processes (every rank
         #: may read every other's memory: the set-up's probe), from ``cma_bytes`` on
@@ -226,9 +219,7 @@ class SegmentLane(RoundTransport):
             if explicit:
                 cap = min(cap, explicit)
         self.step_bytes = min(self.half, max(cap // 64 * 64, 64 * ctx.size))
-        tick, first_check, max_check = int(TICK_S * 1e9), int(CHECK_FIRST_S * 1e9), int(CHECK_MAX_S * 1e9)
-        self._spinning = (self._spin_ns, tick, first_check, max_check)
-        self._no_spin = (0, tick, first_check, max_check)
+        self._spinning, self._no_spin = wait_policy(self._spin_ns), wait_policy(0)
         self._policy = self._spinning if self._spin_ns else self._no_spin
         self._backoff = SpinBackoff(bool(self._spin_ns))
         self._spin_fails = 0
@@ -243,9 +234,6 @@ class SegmentLane(RoundTransport):
         self._off_diagonal = ~np.eye(ctx.size, dtype=bool)
 
     # ------------------------------------------------------------------ running a plan
-    def _wait_policy(self) -> Tuple[int, int, int, int]:
-        return self._policy if may_spin() else self._no_spin
-
     def run(self, call: "Call", plan: plans.Plan, bufs: Sequence[Any], dtype: int = 0,
             op: int = 0, factor: float = 1.0, divisor: int = 0, first: bool = True,
             fp: Optional[bytes] = None) -> None:
@@ -383,35 +371,6 @@ class SegmentLane(RoundTransport):
         self.ctx.fail(err)
         return err
 
-    # ------------------------------------------------------------------ rounds of payloads
-    def _all_gather(self, call: "Call", payload: Any, sub: int, views: bool,
-                    dests: Optional[Sequence[int]] = None,
-                    sources: Optional[Sequence[int]] = None) -> List[Any]:
-        frame = b"".join(encode_round(("msg", "segment", (call.seq, sub), call.fp, payload)))
-        if len(frame) + 8 > self.half:
-            raise errors.TensorSizeError(
-                f"{call.op} #{call.seq}: a round of {len(frame)} bytes does not fit the node "
-                f"segment's {self.half}-byte halves (group option node_segment_bytes)")
-        head = np.array([len(frame)], dtype=np.int64)
-        self.run(call, _exchange_plan(len(frame)), (head, frame), first=sub == 0)
-        parity = self.seg.step & 1
-        out: List[Any] = []
-        for r in range(self.ctx.size):
-            if r == self.ctx.rank:
-                out.append(payload)
-                continue
-            at = self.seg.half_offset(r, parity)
-            n = int(np.frombuffer(self._mem[at:at + 8], dtype=np.int64)[0])
-            message = decode_frame(self._mem[at + 8:at + 8 + n])
-            out.append(message[4] if views else own(message[4]))
-        return out
-
-    def reject(self, call: "Call", message: str) -> None:
-        """This rank rejected its arguments for ``call``: it takes no step for it. Its peers
-        learn it from the coordinator, or from this rank's next call on the segment (they
-        meet it at a step with a later call, and fail theirs: see ``compare_info`` in
-        ``raycoll/native/segment.c``)."""
-
     def _shut(self) -> None:
         self._broken()
 
@@ -511,16 +470,24 @@ class SegmentLane(RoundTransport):
     def run_barrier(self, call: "Call") -> None:
         self.run(call, plans.barrier(), ())
 
+    def gather_seqs(self, call: "Call", seq: Optional[int]) -> List[Optional[int]]:
+        """Every rank's ``seq`` (a join round's sequence number, ``None`` for a rank still
+        with inputs), by group rank: one all_gather of a word a rank."""
+        out = np.empty(self.ctx.size, dtype=np.int64)
+        self.run_all_gather(call, np.array([-1 if seq is None else seq], np.int64), out, -1)
+        return [None if s < 0 else int(s) for s in out.tolist()]
+
     def run_all_to_all(self, call: "Call", bufs: Sequence[np.ndarray],
                        sends: Sequence[plans.Piece], recvs: Sequence[plans.Piece]) -> None:
         """all_to_all: ``sends[j]`` (buffer id, offset, bytes; ids from 1, indexing
-        ``bufs``) goes to rank j, which puts it where its ``recvs[me]`` says. Sizes may
+        ``bufs``, flat contiguous arrays) goes to rank j, which puts it where its
+        ``recvs[me]`` says. Sizes may
         differ per pair: the first step carries every rank's, checked on every rank (all see
         the same table) before any data is read."""
         size, me = self.ctx.size, self.ctx.rank
         sends, recvs = tuple(sends), tuple(recvs)
         first, sizes = self._a2a_first.get((sends, recvs)) or self._a2a_plan(sends, recvs)
-        allbufs = (sizes,) + tuple(bufs)
+        allbufs = (sizes,) + tuple(_bytes(b) for b in bufs)
         self.run(call, first, allbufs)
         # every rank's sizes, a strided view of the halves of this step (no copy)
         table = np.ndarray((size, 2 * size), dtype=np.int64, buffer=self._mem,
@@ -567,16 +534,4 @@ def _bounded(cache: Dict[Any, Any], most: int = 256) -> Dict[Any, Any]:
 def _bytes(arr: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a contiguous array (any dtype: the plans count bytes)."""
     return arr.reshape(-1).view(np.uint8) if arr.size else _EMPTY
-
-
-
-
-
-
-
-
-def _exchange_plan(nbytes: int) -> plans.Plan:
-    """One step carrying a length (8 bytes) and a frame of ``nbytes`` (buffers 0 and 1)."""
-    return plans._plan([plans.write(0, 0, 8, 0), plans.write(1, 0, nbytes, 8),
-                        plans.sync(first=True)])
 

@@ -22,7 +22,7 @@ from raycoll.transport import segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.cores import oversubscribed
 from raycoll.transport.pipes import PairPipes
-from raycoll.transport.tcp import CLOSED_GRACE_S, Links, TcpTransport, tcp_possible
+from raycoll.transport.tcp import CLOSED_GRACE_S, Links, NativeSockets, tcp_possible
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
@@ -48,7 +48,7 @@ class GroupTransports:
         self.ctx = ctx
         #: the group's direct connections, or ``None`` when it has none
         self.links: Optional[Links] = None
-        self._mailbox: Optional[PairPipes] = None
+        self._pipes: Optional[PairPipes] = None
         self._planned: Optional[str] = None
         if ctx.transport != "store" and ctx.size > 1:
             if ctx.secret is not None and tcp_possible(ctx):
@@ -80,7 +80,7 @@ class GroupTransports:
         if planned == "lane":
             return self._set_up_lane(call)
         if planned == "tcp" and self.links is not None:  # "tcp" is planned only with links
-            return TcpTransport(self.ctx, self.links)
+            return NativeSockets(self.ctx, self.links)
         return False
 
     def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
@@ -89,24 +89,24 @@ class GroupTransports:
         if seg is not None:
             return seg
         ctx.skip_setup_step(call)
-        return TcpTransport(ctx, self.links) if self.links is not None else False
+        return NativeSockets(ctx, self.links) if self.links is not None else False
 
-    def mailbox(self) -> Optional[PairPipes]:
-        """The group's point-to-point mailbox: the native core's pair pipes where every rank
+    def pair_pipes(self) -> Optional[PairPipes]:
+        """The group's point-to-point: the native core's pair pipes where every rank
         runs the core (:mod:`raycoll.transport.pipes`: shared memory on this node, socket
         pipes on the direct connections to other nodes), or ``None`` (no native core, or
         ``transport="store"``: then point-to-point goes through the coordinator)."""
-        if self._mailbox is None and pipes_possible(self.ctx, self.links):
+        if self._pipes is None and pipes_possible(self.ctx, self.links):
             ctx = self.ctx
             assert ctx.secret is not None  # (pipes_possible)
             mine = ctx.node_ids[ctx.rank]
-            self._mailbox = PairPipes(group=ctx.group_name, rank=ctx.rank,
+            self._pipes = PairPipes(group=ctx.group_name, rank=ctx.rank,
                                       global_ranks=ctx.global_ranks, secret=ctx.secret,
                                       check=ctx.p2p_check, explain=self._p2p_explain,
                                       crowded=oversubscribed(ctx.size), links=self.links,
                                       remote=[j for j, node in enumerate(ctx.node_ids)
                                               if node != mine])
-        return self._mailbox
+        return self._pipes
 
     def _p2p_explain(self, suspects: Sequence[int] = ()) -> Optional[BaseException]:
         """The coordinator's error once it has one, or ``None`` after a short grace; group
@@ -121,8 +121,8 @@ class GroupTransports:
         return self.links.sockets(purpose) if self.links is not None else 0
 
     def close(self) -> None:
-        """Release the mailbox and the direct connections."""
-        if self._mailbox is not None:
-            self._mailbox.close()
+        """Release the pair pipes and the direct connections."""
+        if self._pipes is not None:
+            self._pipes.close()
         if self.links is not None:
             self.links.close()

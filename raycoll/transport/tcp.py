@@ -26,21 +26,15 @@ round trip and more bandwidth across nodes than a compiled-graph channel or a cr
   and the coordinator (which learns of the death from the rank's lease) names the rank
   (``RankFailedError``). Destroying a group closes its sockets.
 
-The modules: :mod:`raycoll.transport.frames` (the frames of rounds and goodbyes),
-:mod:`raycoll.transport.links` (addresses, the listener, the hello, a group's connections),
-:mod:`raycoll.transport.native_tcp` (the
-native executor's runs) and this one (:class:`TcpTransport`, what a group's collectives on
-sockets hold: the links, the native runs, the coordinator's checks and the counters); the
-names other modules use are importable from here.
+The modules: :mod:`raycoll.transport.links` (addresses, the listener, the hello and the
+goodbye, a group's connections) and :mod:`raycoll.transport.native_tcp`
+(:class:`~raycoll.transport.native_tcp.NativeSockets`: a group's collectives on sockets, the
+native executor's runs, the coordinator's checks and the counters); the names other modules
+use are importable from here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
-
-from raycoll.transport.base import RoundTransport
-from raycoll.transport.cores import host_ranks, oversubscribed
-from raycoll.transport.frames import ABORT
 from raycoll.transport.links import (
     CLOSED_GRACE_S,
     IFNAME_ENV,
@@ -51,50 +45,5 @@ from raycoll.transport.links import (
 )
 from raycoll.transport.native_tcp import NativeSockets
 
-if TYPE_CHECKING:  # pragma: no cover
-    from raycoll.context import Call, GroupContext
-
-__all__ = ["listen_address", "listener", "tcp_possible", "Links", "TcpTransport", 
+__all__ = ["listen_address", "listener", "tcp_possible", "Links", "NativeSockets",
            "IFNAME_ENV", "CLOSED_GRACE_S"]
-
-
-class TcpTransport(RoundTransport):
-    """A group's collectives over direct connections on this rank: each a plan of the
-    native executor (:attr:`native`), checked with the coordinator while it waits. Made only
-    where every rank of the group has the native core."""
-
-    name = "direct connection"
-    kind = "tcp"
-
-    def __init__(self, ctx: "GroupContext", links: Links) -> None:
-        super().__init__(ctx, "tcp", [j for j in range(ctx.size) if j != ctx.rank])
-        self.links = links
-        self.failure_grace_s = CLOSED_GRACE_S
-        #: the native runs of the group's plans
-        self.native = NativeSockets(self, oversubscribed(host_ranks(ctx)))
-        #: what runs ``raycoll.all_reduce``'s short path on this group (its native runs)
-        self.fast = self.native
-
-    def run_native(self, call: "Call", plan: Any, flat: Any, codes: Any, op: Any,
-                   more: Sequence[Any] = ()) -> None:
-        """Run a native ``plan`` for ``call`` (see :mod:`.native_tcp`)."""
-        self.native.run(call, plan, flat, codes, op, more)
-        self._done = (call.op, call.seq)
-        self.calls += 1
-        if self._report_timer is None:  # (else the timer's report is on its way)
-            self.report()
-
-    def fail_broken(self) -> None:
-        """A native run broke the group: close, so that a rank arriving late fails too."""
-        self._poisoned = True
-        try:
-            self._shut()
-        except Exception:  # noqa: BLE001 - best effort: the coordinator knows
-            pass
-
-    def _shut(self) -> None:
-        self.links.close(ABORT)  # broken: the peers must fail too
-
-    def close(self) -> None:
-        self.native.close()
-        super().close()
