@@ -267,7 +267,7 @@ class GroupContext:
         """``call`` takes ``steps`` steps on the node segment (:attr:`last_route`)."""
         self._note(call, steps, None)
 
-    def sparse_transport(self, call: Call) -> Any:
+    def native_sockets(self, call: Call) -> Any:
         """The group's native sockets (direct connections: a step of a schedule goes only
         between the ranks it pairs), else ``None``; the same on every rank. Set up here if
         this is the group's first collective on it."""

@@ -125,7 +125,7 @@ class ScheduledAlgorithms:
         ``op``) runs a schedule here, the same on every rank: the group has native direct
         connections and the core reduces ``like``'s dtype with ``op``. Ask before building a
         buffer for :meth:`_scheduled`."""
-        plane = self.ctx.sparse_transport(call)
+        plane = self.ctx.native_sockets(call)
         if plane is None or plane.codes(like, op) is None:
             return False
         self.ctx.note_algorithm(collective, self.algorithm(collective, nbytes, like.itemsize,
@@ -140,7 +140,7 @@ class ScheduledAlgorithms:
         if not self._schedules(collective, flat.nbytes, flat, op, call, root):
             return False
         algo = self.algorithm(collective, flat.nbytes, flat.itemsize, root)
-        plane = self.ctx.sparse_transport(call)
+        plane = self.ctx.native_sockets(call)
         reducing = op is not None and op.name in ("AVG", "PREMUL_SUM")
         codes = plane.codes(flat, op)
         nplan = self._plan(collective, algo, flat.size, flat.itemsize, root, reducing)

@@ -75,7 +75,7 @@ class NodePaths:
                 or not node_segment_possible(ctx) \
                 or not self._planned(collective, nbytes, itemsize, root):
             return None
-        plane = ctx.sparse_transport(call)
+        plane = ctx.native_sockets(call)
         if plane is None:
             return None
         if self._node is None:

@@ -47,11 +47,6 @@ class SocketPaths:
 
     ctx: GroupContext
 
-    def _sockets(self, call: Call) -> Any:
-        """The group's direct connections if they run natively (set up in ``call`` if this
-        is the group's first collective), else ``None`` (the same on every rank)."""
-        return self.ctx.sparse_transport(call) if self.ctx.size > 1 else None
-
     def _run_exchange(self, plane: Any, call: Call, plan: NativePlan, first: np.ndarray,
                       more: Sequence[np.ndarray]) -> None:
         plane.run(call, plan, first, (0, 0), None, more)
@@ -60,7 +55,7 @@ class SocketPaths:
     def _net_gather(self, mine: np.ndarray, outs: Sequence[np.ndarray], call: Call,
                     root: int) -> bool:
         """gather of ``mine`` into ``root``'s list ``outs``."""
-        plane = self._sockets(call)
+        plane = self.ctx.native_sockets(call)
         if plane is None:
             return False
         me, size = self.ctx.rank, self.ctx.size
@@ -81,7 +76,7 @@ class SocketPaths:
                      call: Call) -> bool:
         """scatter of ``src``'s ``pieces`` into every rank's ``out``."""
         size = self.ctx.size
-        plane = self._sockets(call)
+        plane = self.ctx.native_sockets(call)
         if plane is None:
             return False
         me = self.ctx.rank
@@ -116,7 +111,7 @@ class SocketPaths:
                         call: Call) -> bool:
         """all_to_all of lists, and all_to_all_single's pieces (views of its rows): each
         piece its own buffer."""
-        plane = self._sockets(call)
+        plane = self.ctx.native_sockets(call)
         if plane is None:
             return False
         self._check_pairs(plane, call, [a.shape for a in ins], [a.shape for a in outs],
