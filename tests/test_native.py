@@ -549,7 +549,7 @@ def test_schedules_run_natively_over_sockets_equal_the_simulation(collective, al
     mesh = _Mesh(n)
     try:
         def body(r: int) -> Any:
-            plan = plan_schedule(schedule, r, 8, False, ["a"] * n)
+            plan = plan_schedule(schedule, r, 8, False)
             flat = inputs[r].copy()
             got = _exec(mesh, r, plan.ops, [flat, np.empty(plan.scratch, np.uint8)],
                         DTYPE_CODES["float64"], OP_CODES["SUM"])

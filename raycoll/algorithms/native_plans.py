@@ -17,8 +17,7 @@ Buffers: 0 is the rank's flat buffer (in place, the schedule's layout), 1 a scra
 - after the last step, AVG's division or PREMUL_SUM's factor over the rank's result range
   (``FINAL``).
 
-:attr:`NativePlan.counts` is what the plan should move (the rank's counters,
-``ProcessGroup.counters()``, count what the core moved).
+The rank's counters (``ProcessGroup.counters()``) count what the core moved.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from raycoll.algorithms.schedule import Schedule, Transfer
-from raycoll.transport.counters import Counters
 
 __all__ = ["NativePlan", "plan_schedule", "plan_exchange", "Piece", "SEND", "RECV", "XFER",
            "RED2", "MREDUCE", "LOCAL", "FINAL"]
@@ -43,28 +41,24 @@ Op = Tuple[int, int, int, int, int, int, int, int]
 @dataclass(frozen=True)
 class NativePlan:
     """A rank's operations (``ops``: n x 8 int64, read-only), the scratch bytes they need,
-    the peers they send to and receive from, the steps, and the counters they add."""
+    the peers they send to and receive from, and the steps."""
 
     ops: np.ndarray
     scratch: int
     sends_to: Tuple[int, ...]
     recvs_from: Tuple[int, ...]
     rounds: int
-    counts: Counters
 
 
 def _overlaps(lo: int, hi: int, ranges: Sequence[Tuple[int, int]]) -> bool:
     return any(lo < b and a < hi for a, b in ranges)
 
 
-def plan_schedule(schedule: Schedule, rank: int, itemsize: int, reducing: bool,
-                  nodes: Sequence[str]) -> NativePlan:
+def plan_schedule(schedule: Schedule, rank: int, itemsize: int, reducing: bool) -> NativePlan:
     """Rank ``rank``'s operations for ``schedule`` over a buffer of ``itemsize``-byte elements
-    (``reducing``: the op needs its final step, AVG's or PREMUL_SUM's); ``nodes`` are the
-    ranks' node ids (for the counters' same-node / other-node bytes)."""
+    (``reducing``: the op needs its final step, AVG's or PREMUL_SUM's)."""
     ops: List[Op] = []
     scratch = 0
-    counts = Counters()
     sends_to: Dict[int, None] = {}
     recvs_from: Dict[int, None] = {}
     rounds = 0
@@ -74,11 +68,8 @@ def plan_schedule(schedule: Schedule, rank: int, itemsize: int, reducing: bool,
             by_dst.setdefault(t.dst, []).append(t)
         sent_ranges = [(t.lo, t.hi) for t in sends]
         for dst in sorted(by_dst):
-            nbytes = 0
             for t in by_dst[dst]:
                 ops.append((SEND, FLAT, t.lo * itemsize, (t.hi - t.lo) * itemsize, dst, 0, 0, 0))
-                nbytes += (t.hi - t.lo) * itemsize
-            counts.sent(dst, nbytes, nodes[dst] == nodes[rank])
             sends_to[dst] = None
         by_src: Dict[int, List[Transfer]] = {}
         for t in recvs:
@@ -86,31 +77,27 @@ def plan_schedule(schedule: Schedule, rank: int, itemsize: int, reducing: bool,
         at = 0  # the step's scratch
         staged: Dict[Transfer, int] = {}
         for src in sorted(by_src):
-            nbytes = 0
             for t in by_src[src]:
                 n = (t.hi - t.lo) * itemsize
-                nbytes += n
                 if t.reduce or _overlaps(t.lo, t.hi, sent_ranges):
                     ops.append((RECV, SCRATCH, at, n, src, 0, 0, 0))
                     staged[t] = at
                     at += n
                 else:
                     ops.append((RECV, FLAT, t.lo * itemsize, n, src, 0, 0, 0))
-            counts.received(src, nbytes, nodes[src] == nodes[rank])
             recvs_from[src] = None
         if sends or recvs:
             ops.append((XFER, 0, 0, 0, 0, 0, 0, step_no))
             rounds += 1
         at = _apply(ops, recvs, staged, rank, itemsize, at)
         scratch = max(scratch, at)
-    counts.rounds = rounds
     if reducing and schedule.collective in ("all_reduce", "reduce_scatter", "reduce"):
         lo, hi = schedule.results[rank]
         if hi > lo:
             ops.append((FINAL, FLAT, lo * itemsize, (hi - lo) * itemsize, 0, 0, 0, 0))
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
-    return NativePlan(arr, scratch, tuple(sends_to), tuple(recvs_from), rounds, counts)
+    return NativePlan(arr, scratch, tuple(sends_to), tuple(recvs_from), rounds)
 
 
 def _apply(ops: List[Op], recvs: Sequence[Transfer], staged: Dict[Transfer, int], rank: int,
@@ -157,7 +144,7 @@ Piece = Tuple[int, int, int, int]
 
 def plan_exchange(rank: int, sends: Sequence[Piece], recvs: Sequence[Piece],
                   local: Sequence[Tuple[int, int, int, int, int]],
-                  nodes: Sequence[str], step: int = 0) -> NativePlan:
+                  step: int = 0) -> NativePlan:
     """One step of point-to-point messages (gather, scatter, all_to_all and their
     metadata): this rank sends each of ``sends`` to its peer and receives each of ``recvs``
     straight into its buffer (at most one message each way per peer, empty ones included:
@@ -166,25 +153,22 @@ def plan_exchange(rank: int, sends: Sequence[Piece], recvs: Sequence[Piece],
     buffer, src offset, bytes)`` run (this rank's own piece). Buffer ids are the caller's
     (:data:`FLAT` and :data:`SCRATCH` are 0 and 1); the step's messages carry ``step``."""
     ops: List[Op] = []
-    counts = Counters()
     for peer, buf, off, n in sends:
         if peer == rank:
             raise ValueError(f"plan_exchange: rank {rank} cannot send itself a message")
         ops.append((SEND, buf, off, n, peer, 0, 0, 0))
-        counts.sent(peer, n, nodes[peer] == nodes[rank])
     for peer, buf, off, n in recvs:
         if peer == rank:
             raise ValueError(f"plan_exchange: rank {rank} cannot receive from itself")
         ops.append((RECV, buf, off, n, peer, 0, 0, 0))
-        counts.received(peer, n, nodes[peer] == nodes[rank])
     rounds = 0
     if sends or recvs:
         ops.append((XFER, 0, 0, 0, 0, 0, 0, step))
-        rounds = counts.rounds = 1
+        rounds = 1
     for dst, dst_off, src, src_off, n in local:
         if n:
             ops.append((LOCAL, dst, dst_off, n, src, src_off, 0, 0))
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
     return NativePlan(arr, 0, tuple(dict.fromkeys(p for p, *_ in sends)),
-                      tuple(dict.fromkeys(p for p, *_ in recvs)), rounds, counts)
+                      tuple(dict.fromkeys(p for p, *_ in recvs)), rounds)

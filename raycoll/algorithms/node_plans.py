@@ -32,7 +32,7 @@ every rank agrees on (count, itemsize, node map, the group's half), cached.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -40,7 +40,6 @@ from raycoll.algorithms.native_plans import (FINAL, FLAT, LOCAL, MREDUCE, RECV, 
                                              XFER, NativePlan)
 from raycoll.algorithms.schedule import blocks
 from raycoll.algorithms.segment_plans import ALIGN, COPY, REDUCE, SYNC, WRITE, FIRST
-from raycoll.transport.counters import Counters
 
 __all__ = ["Layout", "layout", "all_reduce", "broadcast", "all_gather", "reduce_scatter",
            "SMALL_BYTES"]
@@ -79,16 +78,13 @@ def _sync(first: bool = False) -> Op:
     return (SYNC, 0, 0, 0, 0, 0, FIRST if first else 0, 0)
 
 
-def _exchange(ops: List[Op], counts: Counters, peers: Sequence[Tuple[int, int]],
-              mine: int, n: int, stride: int, step: int) -> None:
+def _exchange(ops: List[Op], peers: Sequence[Tuple[int, int]], mine: int, n: int, stride: int, step: int) -> None:
     """This rank's slot (node ``mine``, ``n`` bytes at ``mine * stride`` of the scratch) to
     each rail peer, and each peer's into its node's slot; one round (``step``)."""
     for node, peer in peers:
         ops.append((SEND, SCRATCH, mine * stride, n, peer, 0, 0, 0))
-        counts.sent(peer, n, False)
     for node, peer in peers:
         ops.append((RECV, SCRATCH, node * stride, n, peer, 0, 0, 0))
-        counts.received(peer, n, False)
     ops.append((XFER, 0, 0, 0, 0, 0, 0, step))
 
 
@@ -112,7 +108,6 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
     peers = [(m, lay.nodes[m][li]) for m in range(nnodes) if m != home] if rail else []
     nbytes = count * itemsize
     ops: List[Op] = []
-    counts = Counters()
     if nbytes <= min(small_bytes, half):
         if k > 1:
             ops += [_write(FLAT, 0, nbytes, 0), _sync(first=True)]
@@ -121,7 +116,7 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
         elif nbytes:
             ops.append((LOCAL, SCRATCH, home * nbytes, nbytes, FLAT, 0, 0, 0))
         if rail:
-            _exchange(ops, counts, peers, home, nbytes, nbytes, 0)
+            _exchange(ops, peers, home, nbytes, nbytes, 0)
             if nbytes:
                 ops.append((MREDUCE, FLAT, 0, nbytes, SCRATCH, 0, nnodes, nbytes))
                 if finish:
@@ -132,7 +127,7 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
             ops.append(_sync())
             if not rail and nbytes:
                 ops.append((COPY, FLAT, 0, nbytes, 0, 0, 0, 0))
-        return _plan(ops, nnodes * nbytes, peers, counts)
+        return _plan(ops, nnodes * nbytes, peers)
     area = _down(half // 2, ALIGN)  # where a rail rank's reduced part goes in its next half
     chunk = max(1, area // itemsize)
     stride = -(-chunk // rails) * itemsize  # a scratch slot: the longest part of a chunk
@@ -156,7 +151,7 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
                         (lo + a) * itemsize, 0, 0))
         if b > a:
             n = (b - a) * itemsize
-            _exchange(ops, counts, peers, home, n, stride, c)
+            _exchange(ops, peers, home, n, stride, c)
             ops.append((MREDUCE, FLAT, (lo + a) * itemsize, n, SCRATCH, 0, nnodes, stride))
             if finish:
                 ops.append((FINAL, FLAT, (lo + a) * itemsize, n, 0, 0, 0, 0))
@@ -165,7 +160,7 @@ def all_reduce(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: int, 
         ops += _publish_part(previous, lo_prev, li, itemsize, area)
         ops.append(_sync())
         ops += _gather(previous, lo_prev, li, itemsize, area)
-    return _plan(ops, nnodes * stride, peers, counts)
+    return _plan(ops, nnodes * stride, peers)
 
 
 #: A range of a buffer: (buffer id, offset, bytes).
@@ -224,7 +219,6 @@ def broadcast(nbytes: int, node_ids: Tuple[str, ...], rank: int, root: int,
 
     v = (home - top) % nnodes
     ops: List[Op] = []
-    counts = Counters()
     sends: List[int] = []
     recvs: List[int] = []
     if rank == leader(v):
@@ -235,12 +229,10 @@ def broadcast(nbytes: int, node_ids: Tuple[str, ...], rank: int, root: int,
             if step == got:
                 recvs.append(leader(v - (1 << step) if tree else 0))
                 ops.append((RECV, FLAT, 0, nbytes, recvs[-1], 0, 0, 0))
-                counts.received(recvs[-1], nbytes, False)
             elif step > got:
                 children = [v + (1 << step)] if tree else list(range(1, nnodes))
                 for child in (leader(c) for c in children if c < nnodes):
                     ops.append((SEND, FLAT, 0, nbytes, child, 0, 0, 0))
-                    counts.sent(child, nbytes, False)
                     sends.append(child)
             if ops and ops[-1][0] in (SEND, RECV):
                 ops.append((XFER, 0, 0, 0, 0, 0, 0, step))
@@ -249,8 +241,8 @@ def broadcast(nbytes: int, node_ids: Tuple[str, ...], rank: int, root: int,
         _seg_broadcast(ops, [(FLAT, 0, nbytes)], src, li, half, True)
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
-    counts.rounds = int((arr[:, 0] == XFER).sum())
-    return NativePlan(arr, 0, tuple(sends), tuple(recvs), counts.rounds, counts)
+    rounds = int((arr[:, 0] == XFER).sum())
+    return NativePlan(arr, 0, tuple(sends), tuple(recvs), rounds)
 
 
 def _piece(pieces: bool, j: int, nbytes: int) -> Tuple[int, int]:
@@ -272,7 +264,6 @@ def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
     mates = lay.nodes[home]
     k = len(mates)
     ops: List[Op] = []
-    counts = Counters()
     buf, off = _piece(pieces, rank, nbytes)
     if nbytes:
         ops.append((LOCAL, buf, off, nbytes, FLAT, 0, 0, 0))
@@ -295,19 +286,17 @@ def all_gather(nbytes: int, node_ids: Tuple[str, ...], rank: int, half: int,
             for r in mates:
                 b, o = _piece(pieces, r, nbytes)
                 ops.append((SEND, b, o, nbytes, peer, 0, 0, 0))
-            counts.sent(peer, nbytes * k, False)
             peers.append((m, peer))
         for m in others:
             peer = lay.nodes[m][0]
             for r in lay.nodes[m]:
                 b, o = _piece(pieces, r, nbytes)
                 ops.append((RECV, b, o, nbytes, peer, 0, 0, 0))
-            counts.received(peer, nbytes * len(lay.nodes[m]), False)
         ops.append((XFER, 0, 0, 0, 0, 0, 0, 1))
     if k > 1:
         remote = [(*_piece(pieces, r, nbytes), nbytes) for m in others for r in lay.nodes[m]]
         _seg_broadcast(ops, [x for x in remote if x[2]], 0, li, half, False)
-    return _plan(ops, 0, peers, counts)
+    return _plan(ops, 0, peers)
 
 
 @lru_cache(maxsize=256)
@@ -330,7 +319,6 @@ def reduce_scatter(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: i
             and mates[lay.local[j] % k] == rank]  # the remote ranks this rank reduces for
     senders = [(m, lay.nodes[m][li % len(lay.nodes[m])]) for m in range(nnodes) if m != home]
     ops: List[Op] = []
-    counts = Counters()
     for c, lo in enumerate(range(0, count, chunk)):
         hi = min(lo + chunk, count)
         n = (hi - lo) * itemsize
@@ -350,10 +338,8 @@ def reduce_scatter(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: i
         ops.append(partial(rank, home * cb))
         for i, j in enumerate(mine):
             ops.append((SEND, SCRATCH, out_at + i * cb, n, j, 0, 0, 0))
-            counts.sent(j, n, False)
         for m, src in senders:
             ops.append((RECV, SCRATCH, m * cb, n, src, 0, 0, 0))
-            counts.received(src, n, False)
         ops.append((XFER, 0, 0, 0, 0, 0, 0, c))
         ops.append((MREDUCE, 2, lo * itemsize, n, SCRATCH, 0, nnodes, cb))
         if finish:
@@ -361,9 +347,8 @@ def reduce_scatter(count: int, itemsize: int, node_ids: Tuple[str, ...], rank: i
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
     rounds = int((arr[:, 0] == XFER).sum())
-    counts.rounds = rounds
     return NativePlan(arr, (nnodes + len(mine)) * cb, tuple(mine),
-                      tuple(src for _, src in senders), rounds, counts)
+                      tuple(src for _, src in senders), rounds)
 
 
 def _publish_part(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,
@@ -382,14 +367,10 @@ def _gather(parts: Sequence[Tuple[int, int]], lo: int, li: int, itemsize: int,
             for j, (a, b) in enumerate(parts) if j != li and b > a]
 
 
-def _plan(ops: Sequence[Op], scratch: int, peers: Sequence[Tuple[int, int]],
-          counts: Counters, sends: Optional[bool] = None) -> NativePlan:
-    """The plan of ``ops``; ``peers`` (node, group rank) are sent to and received from
-    (``sends``: only sent to when ``True``, only received from when ``False``)."""
+def _plan(ops: Sequence[Op], scratch: int, peers: Sequence[Tuple[int, int]]) -> NativePlan:
+    """The plan of ``ops``; ``peers`` (node, group rank) are sent to and received from."""
     arr = np.array(ops, dtype=np.int64).reshape(-1, 8)
     arr.setflags(write=False)
     rounds = int((arr[:, 0] == XFER).sum())
-    counts.rounds = rounds
     ranks = tuple(p for _, p in peers) if rounds else ()
-    return NativePlan(arr, scratch, ranks if sends is not False else (),
-                      ranks if sends is not True else (), rounds, counts)
+    return NativePlan(arr, scratch, ranks, ranks, rounds)

@@ -109,7 +109,7 @@ class ScheduledAlgorithms:
             segments = (max(1, -(-n * itemsize // self.stream_bytes))
                         if collective in PIPELINED else 1)  # (an empty buffer: one)
             schedule = build(collective, algo, self.topology, n, root, segments=segments)
-            got = plan_schedule(schedule, self.ctx.rank, itemsize, reducing, self.ctx.node_ids)
+            got = plan_schedule(schedule, self.ctx.rank, itemsize, reducing)
             self._remember(self._plans, key, got)
         return got
 

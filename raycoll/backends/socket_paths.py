@@ -104,7 +104,7 @@ class SocketPaths:
             sends = [(j, _SCRATCH, 0, 0) for j in peers]
         if recvs is _EMPTY:
             recvs = [(j, _SCRATCH, 0, 0) for j in peers]
-        plan = plan_exchange(self.ctx.rank, sends, recvs, local, self.ctx.node_ids)
+        plan = plan_exchange(self.ctx.rank, sends, recvs, local)
         self._run_exchange(plane, call, plan, first, more)
 
     def _net_all_to_all(self, outs: List[np.ndarray], ins: List[np.ndarray],
@@ -116,14 +116,14 @@ class SocketPaths:
             return False
         self._check_pairs(plane, call, [a.shape for a in ins], [a.shape for a in outs],
                           outs[0].dtype)
-        me, size, nodes = self.ctx.rank, self.ctx.size, self.ctx.node_ids
+        me, size = self.ctx.rank, self.ctx.size
         with ExitStack() as stack:
             flats = [stack.enter_context(flat_out(o)) for o in outs]
             srcs = [flat_in(a) for a in ins]
             sends = [(j, _MORE + j, 0, srcs[j].nbytes) for j in range(size) if j != me]
             recvs = [(s, _MORE + size + s, 0, flats[s].nbytes) for s in range(size) if s != me]
             own = [(_MORE + size + me, 0, _MORE + me, 0, srcs[me].nbytes)]
-            plan = plan_exchange(me, sends, recvs, own, nodes, step=1)
+            plan = plan_exchange(me, sends, recvs, own, step=1)
             self._run_exchange(plane, call, plan, np.empty(0, np.uint8), srcs + flats)
         return True
 
@@ -138,7 +138,7 @@ class SocketPaths:
         n = mine.nbytes
         peers = [j for j in range(size) if j != me]
         plan = plan_exchange(me, [(j, _FIRST, 0, n) for j in peers],
-                             [(j, _MORE + j, 0, n) for j in peers], [], self.ctx.node_ids)
+                             [(j, _MORE + j, 0, n) for j in peers], [])
         plane.run(call, plan, mine, (0, 0), None, list(theirs))
         half, name = size * SHAPE_WORDS, dtype_name(dtype)
         sends: Dict[int, Optional[List[Any]]] = {
