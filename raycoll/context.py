@@ -161,7 +161,7 @@ class GroupContext:
         self.options = GroupOptions.of(options)
         self._on_failure = on_failure
         #: Each rank's direct-connection address (``None`` where it has none) and the
-        #: group's secret (see raycoll.transport.tcp).
+        #: group's secret (see raycoll.transport.links).
         self.addresses = tuple(addresses) if addresses is not None else (None,) * self.size
         self.secret = secret
         #: whether every rank of the group runs raycoll's native core (raycoll.native), so

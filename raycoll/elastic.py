@@ -34,7 +34,7 @@ from raycoll.coordinator.client import GRACE_S, unpack_handle
 from raycoll.launch import DRIVER_GROUPS
 from raycoll.options import GroupOptions
 from raycoll.process_group import GroupSpec, ProcessGroup
-from raycoll.transport.tcp import listener
+from raycoll.transport.links import listener
 from raycoll.work import to_seconds
 from raycoll.world import install_root_group, world
 

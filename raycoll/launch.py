@@ -366,12 +366,12 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 def _master_endpoint(actor_self: Any) -> Tuple[str, int]:
-    """Runs in rank 0: its address for direct connections (raycoll.transport.tcp's choice:
+    """Runs in rank 0: its address for direct connections (raycoll.transport.links' choice:
     ``RAYCOLL_SOCKET_IFNAME``'s address, else the node's IP on a multi-node cluster, else
     127.0.0.1) and a port that is free there now (not reserved, as torchrun's)."""
     import socket
 
-    from raycoll.transport.tcp import listen_address
+    from raycoll.transport.links import listen_address
 
     host = listen_address()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

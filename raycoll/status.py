@@ -16,7 +16,7 @@ from typing import Any, Dict
 from raycoll import errors, session
 from raycoll.coordinator import CoordinatorClient, spare
 from raycoll.launch import DRIVER_GROUPS
-from raycoll.transport.base import report_period_s
+from raycoll.transport.base import REPORT_EVERY_S
 from raycoll.world import world
 
 __all__ = ["group_status"]
@@ -72,7 +72,7 @@ def group_status(group_name: str = "default") -> Dict[str, Any]:
         pg.report_progress(wait_s=_ASK_S)
     client = _status_client(root)
     raw = client.status(_ASK_S, where={"op": "group_status", "group": root})
-    periods = [g.get("report_period_s") or report_period_s() for g in raw.get("groups",
+    periods = [g.get("report_period_s") or REPORT_EVERY_S for g in raw.get("groups",
                                                                               {}).values()
                if isinstance(g, dict) and g.get("transport")]
     if periods:

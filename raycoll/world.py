@@ -18,7 +18,7 @@ from raycoll.backends import backend_config
 from raycoll.backends._cuda import select_device
 from raycoll.coordinator import CoordinatorClient, rank_info
 from raycoll.process_group import GroupSpec, ProcessGroup, _Root
-from raycoll.transport.tcp import listener
+from raycoll.transport.links import listener
 
 logger = logging.getLogger("raycoll")
 

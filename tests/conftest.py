@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # A Ray node registers with its GCS within 30 s by default: on a loaded machine (the suite
 # beside other jobs) a start timed out ("The current node timed out during startup").
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-# Direct connections between ranks (raycoll.transport.tcp) stay on loopback in tests; set
+# Direct connections between ranks (raycoll.transport.links) stay on loopback in tests; set
 # before any Ray starts, so that every worker and every local node inherits it.
 os.environ["RAYCOLL_SOCKET_IFNAME"] = "lo"
 

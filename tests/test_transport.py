@@ -1,4 +1,4 @@
-"""Direct connections between ranks (raycoll/transport/links.py, tcp.py) on one node:
+"""Direct connections between ranks (raycoll/transport/links.py, native_tcp.py) on one node:
 collectives with ``transport="tcp"`` (on the native sockets; without the native core, through
 the object store), point-to-point (direct on the pair pipes; without the native core, through
 the coordinator), security, garbled frames, failures and
@@ -271,7 +271,7 @@ def test_a_peer_whose_data_is_still_unread_counts_as_closed_once_it_closed():
     """A dead peer's last frames may still sit unread in this rank's buffer: it is
     suspected all the same (a peek would see its data, not the end); a live peer with
     unread data is not."""
-    from raycoll.transport.tcp import Links
+    from raycoll.transport.links import Links
 
     links = Links(key=f"closed-{uuid.uuid4().hex[:8]}", rank=0, size=3, secret=b"s",
                   addresses=[None] * 3, nodes=["n"] * 3)

@@ -93,7 +93,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         if len(self._members) == self._world_size:
             # every rank's answer: built once, not once per rank (O(W), not O(W^2))
             self._roster = [dict(self._members[r], rank=r) for r in range(self._world_size)]
-            self._secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
+            self._secret = secrets.token_bytes(16)  # for direct connections (transport.links)
             self._formed.set()
             self._reset = asyncio.Event()
             self._left = set()

@@ -304,7 +304,7 @@ class CoordinatorClient:
 
 def rank_info(address: Any = None) -> Dict[str, Any]:
     """What a rank tells the coordinator about itself at rendezvous; ``address``: where its
-    peers reach it directly (its listener's, :func:`raycoll.transport.tcp.listener`), or
+    peers reach it directly (its listener's, :func:`raycoll.transport.links.listener`), or
     ``None``; its actor handle packed (:func:`pack_handle`). (The coordinator imports no
     transport.)"""
     ctx = ray.get_runtime_context()

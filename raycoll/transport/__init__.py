@@ -4,9 +4,9 @@
   while a call waits, progress reports, the waiting policy and the failure path;
 - :mod:`raycoll.transport.segment`: ranks on one node, through the native core's node segment;
 - :mod:`raycoll.transport.cores`: whether a node's ranks fit its cores (whether waits spin);
-- :mod:`raycoll.transport.tcp`: direct sockets between ranks (any nodes), run by the native
-  executor (:mod:`~raycoll.transport.native_tcp`), over :mod:`~raycoll.transport.links`
-  (the listener, the hello and the goodbye, a group's connections);
+- :mod:`raycoll.transport.native_tcp`: direct sockets between ranks (any nodes), run by the
+  native executor, over :mod:`~raycoll.transport.links` (the listener, the hello and the
+  goodbye, a group's connections);
 - :mod:`raycoll.transport.pipes` (point to point): pair pipes, shared memory on one node and
   :mod:`~raycoll.transport.sockpipes` (native socket pipes) across nodes;
 - :mod:`raycoll.transport.selection`: which of them a group uses, and setting it up.

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
 __all__ = ["RoundTransport", "SpinBackoff", "overlapping", "may_spin", "await_explanation",
-           "report_period_s", "segment_failure"]
+           "REPORT_EVERY_S", "segment_failure"]
 
 
 #: A waiting rank asks the coordinator first after ``CHECK_FIRST_S``, then at intervals that
@@ -169,11 +169,6 @@ def segment_failure(transport: "RoundTransport", call: "Call", seg: Any, status:
             **ctx.ctx(call))
     ctx.fail(err)
     return err
-
-
-def report_period_s() -> float:
-    """How far behind a rank's transport collectives the coordinator (group_status) may be."""
-    return REPORT_EVERY_S
 
 
 def await_explanation(check: Callable[[], None], grace_s: float) -> Optional[BaseException]:

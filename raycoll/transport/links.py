@@ -1,6 +1,6 @@
 """Direct connections of a group on this rank: where this process listens, the hello that
 admits a connection to its group, the goodbye that closes one, and :class:`Links`, one
-group's connections by peer and purpose (see :mod:`raycoll.transport.tcp` for the whole
+group's connections by peer and purpose (docs/transports.md, "tcp", has the whole
 design). The native core carries everything between the two (collectives' messages:
 ``raycoll/native/net.h``; point-to-point's: ``raycoll/native/sockpipe.h``).
 """
@@ -77,7 +77,8 @@ def _iface_address(name: str) -> str:
 
 
 def listen_address() -> str:
-    """Where this process listens (see :mod:`raycoll.transport.tcp`, "Addresses")."""
+    """Where this process listens: the interface ``RAYCOLL_SOCKET_IFNAME`` names, else Ray's
+    node address on a cluster of several nodes, else 127.0.0.1."""
     name = os.environ.get(IFNAME_ENV)
     if name:
         return _iface_address(name)

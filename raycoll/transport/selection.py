@@ -21,8 +21,9 @@ from raycoll.native import core
 from raycoll.transport import segment
 from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
 from raycoll.transport.cores import oversubscribed
+from raycoll.transport.links import CLOSED_GRACE_S, Links, tcp_possible
+from raycoll.transport.native_tcp import NativeSockets
 from raycoll.transport.pipes import PairPipes
-from raycoll.transport.tcp import CLOSED_GRACE_S, Links, NativeSockets, tcp_possible
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
