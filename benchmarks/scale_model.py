@@ -24,7 +24,6 @@ from raycoll.algorithms.topology import Topology
 #: 25 Gb/s between nodes with 15 us of latency; shared memory inside a node (10 GB/s copies,
 #: 3 us a message); reductions at 10 GB/s.
 PAPER = CostModel({
-    "lane": LinkCost(3e-6, 0.5 / 10e9),
     "unix": LinkCost(3e-6, 0.5 / 10e9),
     "tcp": LinkCost(15e-6, 0.5 / (25e9 / 8)),
 }, gamma=1 / 10e9)

@@ -127,7 +127,7 @@ def test_ring_sockets_at_16_ranks_stay_within_4_log2_w():
 
 def _model(alpha: float, beta: float) -> CostModel:
     link = LinkCost(alpha, beta)
-    return CostModel({"lane": link, "unix": link, "tcp": link}, gamma=0.0)
+    return CostModel({"unix": link, "tcp": link}, gamma=0.0)
 
 
 def test_the_model_picks_few_rounds_for_small_buffers_and_few_bytes_for_large_ones():
@@ -152,8 +152,8 @@ def test_at_two_ranks_every_tie_goes_to_the_direct_exchange():
 
 def test_node_aware_all_reduce_wins_when_links_between_nodes_are_slow():
     topo = Topology.from_sizes([4, 4])
-    slow_between = CostModel({"lane": LinkCost(5e-6, 0.05e-9), "unix": LinkCost(5e-6, 0.05e-9),
-                              "tcp": LinkCost(50e-6, 2e-9)}, gamma=0.0)
+    slow_between = CostModel({"unix": LinkCost(5e-6, 0.05e-9), "tcp": LinkCost(50e-6, 2e-9)},
+                             gamma=0.0)
     assert choose("all_reduce", topo, 64 << 20, model=slow_between).startswith("hierarchical")
 
 
@@ -213,6 +213,8 @@ def test_cost_model_option_is_validated_and_laid_over_the_defaults():
             GroupOptions.of({"cost_model": bad})
     with pytest.raises(TypeError, match="cost_model"):
         CostModel.of([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'lane' was retired with the Ray-channel lane: .*'unix'"):
+        CostModel.of({"lane": {"alpha": 1e-5}})
 
 
 @pytest.mark.parametrize("name,good,bad", [
@@ -255,7 +257,7 @@ def test_pipelined_segments_move_the_same_bytes_in_smaller_messages(collective, 
 def test_oversubscribed_ranks_take_fewer_steps():
     """Ranks that outnumber their node's cores run in turn: every step costs a wake-up
     chain, so the model trades bytes and messages for steps."""
-    topo = Topology.flat(8, same_node="unix")
+    topo = Topology.flat(8)
     assert choose("all_reduce", topo, 4) == "recursive_doubling"
     assert choose("all_reduce", topo, 4, oversubscribed=True) == "direct"
     times = predict("all_reduce", topo, 4, oversubscribed=True)

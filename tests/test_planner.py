@@ -71,7 +71,7 @@ def test_a_flat_schedule_costs_at_least_its_busiest_nodes_work():
     """3 + 1, all_reduce of 1 MiB: node ``a``'s three ranks each do a whole rank's work of
     the flat schedule; they share the node's cores, so the schedule takes at least their
     work added up, more than its critical path alone."""
-    topology = Topology(THREE_ONE, "unix")
+    topology = Topology(THREE_ONE)
     times = flat_times("all_reduce", THREE_ONE, 1 << 20, 4, DEFAULT)
     for algo, t in times.items():
         schedule = build("all_reduce", algo, topology, (1 << 20) // 4, 0)
@@ -206,7 +206,7 @@ def test_ranks_that_fit_their_cores_cost_their_critical_path(ids):
     a plan its slowest rank (no node's work added up), each at most what it costs on one
     core a node."""
     cores = {n: len(ids) for n in ids}
-    topology = Topology(ids, "unix")
+    topology = Topology(ids)
     native = CostModel({k: DEFAULT.links["socket"] for k in DEFAULT.links}, DEFAULT.gamma)
     for nbytes in (1 << 20, 64 << 20):
         spread = flat_times("all_reduce", ids, nbytes, 4, DEFAULT, cores=cores)

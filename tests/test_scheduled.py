@@ -86,7 +86,7 @@ def _one(rank: int, collective: str, n: int) -> Dict[str, Any]:
 @pytest.mark.parametrize("collective", list(SCHEDULED))
 def test_each_ranks_counted_traffic_is_the_schedules_formula(pool, collective):
     world, n = 5, 5 * 64
-    topo = Topology.flat(world, same_node="unix")
+    topo = Topology.flat(world)
     for algo in SCHEDULED[collective]:
         got = pool.run(_one, world, collective, n, options={"transport": "tcp",
                                                            OPTION[collective]: algo})

@@ -55,7 +55,7 @@ def _positive(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Link costs by class (``lane``, ``unix``, ``tcp``, ``segment``, ``socket``), ``gamma`` (seconds a reduced byte),
+    """Link costs by class (``unix``, ``tcp``, ``segment``, ``socket``), ``gamma`` (seconds a reduced byte),
     ``wake`` and ``nic`` (see the module docstring)."""
 
     links: Mapping[str, LinkCost] = field(default_factory=dict)
@@ -85,6 +85,10 @@ class CostModel:
             if key in scalars:
                 scalars[key] = _positive(key, value)
                 continue
+            if key == "lane":  # the Ray-channel lane went with issue 43
+                raise ValueError("cost_model: key 'lane' was retired with the Ray-channel lane: "
+                                 "ranks on one node link over 'unix' (socket schedules) or "
+                                 "'segment' (the node segment)")
             if key not in LINK_CLASSES:
                 raise ValueError(f"cost_model: unknown key {key!r}; expected one of "
                                  f"{', '.join(LINK_CLASSES)}, gamma, wake or nic")
@@ -156,9 +160,8 @@ class CostModel:
 #: in or out; ``socket``, a native message (4 B between 2 ranks on 2 Ray nodes, back to back:
 #: about 16 us, BENCHMARKS.md) and a byte at each end, as ``tcp``'s.
 DEFAULT = CostModel(
-    links={"lane": LinkCost(20e-6, 0.15e-9), "unix": LinkCost(45e-6, 0.25e-9),
-           "tcp": LinkCost(60e-6, 0.35e-9), "segment": LinkCost(4e-6, 0.1e-9),
-           "socket": LinkCost(16e-6, 0.35e-9)},
+    links={"unix": LinkCost(45e-6, 0.25e-9), "tcp": LinkCost(60e-6, 0.35e-9),
+           "segment": LinkCost(4e-6, 0.1e-9), "socket": LinkCost(16e-6, 0.35e-9)},
     gamma=0.3e-9,
     wake=0.1e-3,
 )

@@ -224,7 +224,7 @@ def _native(model: CostModel) -> CostModel:
     per-step wake-up."""
     sock = model.links["socket"]
     links = dict(model.links)
-    links.update(lane=sock, unix=sock, tcp=sock)
+    links.update(unix=sock, tcp=sock)
     return CostModel(links, model.gamma, 0.0, model.nic)
 
 
@@ -249,7 +249,7 @@ def flat_times(collective: str, node_ids: Tuple[str, ...], nbytes: int, itemsize
     :func:`node_plan_time` takes it) on ``node_ids``: its critical path
     (:meth:`CostModel.time`, every link a socket) or its busiest machine's ranks' work
     spread over their cores (:func:`busiest_cores`), the longer."""
-    topology = Topology(node_ids, "unix")
+    topology = Topology(node_ids)
     native = _native(model)
     out = {}
     # the schedules price a rank's buffer: reduce_scatter's and all_gather's are the whole

@@ -54,7 +54,7 @@ class ScheduledAlgorithms:
 
     def _init_scheduled(self) -> None:
         opts = self.ctx.options
-        self.topology = Topology(self.ctx.node_ids, same_node="unix")
+        self.topology = Topology(self.ctx.node_ids)
         # Only a group on one host knows its cores alike on every rank.
         self.oversubscribed = on_one_host(self.ctx) and oversubscribed(self.ctx.size)
         self.cost_model = CostModel.of(opts.cost_model)

@@ -13,36 +13,32 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 
 __all__ = ["LINK_CLASSES", "Topology"]
 
-#: The link classes the cost model knows: ``lane`` (same node, shared memory), ``unix`` (same
-#: node, a Unix socket), ``tcp`` (across nodes), as the Python transports' schedules move
-#: messages; and the native executor's (:mod:`raycoll.algorithms.planner`): ``segment`` (a
-#: node segment's step and bytes) and ``socket`` (a native message, on a node or across).
-LINK_CLASSES: Tuple[str, ...] = ("lane", "unix", "tcp", "segment", "socket")
+#: The link classes the cost model knows: ``unix`` (same node, a Unix socket) and ``tcp``
+#: (across nodes), as the socket schedules move messages; and the native executor's
+#: (:mod:`raycoll.algorithms.planner`): ``segment`` (a node segment's step and bytes) and
+#: ``socket`` (a native message, on a node or across).
+LINK_CLASSES: Tuple[str, ...] = ("unix", "tcp", "segment", "socket")
 
 
 @dataclass(frozen=True)
 class Topology:
     """The node map of a group of ``world_size`` ranks.
 
-    ``node_ids[r]`` is the node of group rank ``r``. ``same_node`` is the link class between
-    two ranks on one node (``"lane"`` or ``"unix"``); ranks on different nodes talk over
-    ``"tcp"``.
+    ``node_ids[r]`` is the node of group rank ``r``. Two ranks on one node talk over
+    ``"unix"``, ranks on different nodes over ``"tcp"``.
     """
 
     node_ids: Tuple[Hashable, ...]
-    same_node: str = "lane"
     #: node index of each rank (nodes in first-appearance order)
     node_of: Tuple[int, ...] = field(init=False)
     #: the ranks of each node, in rank order
     node_ranks: Tuple[Tuple[int, ...], ...] = field(init=False)
 
-    def __init__(self, node_ids: Sequence[Hashable], same_node: str = "lane") -> None:
+    def __init__(self, node_ids: Sequence[Hashable]) -> None:
         ids = tuple(node_ids)
         if not ids:
             raise ValueError("Topology(node_ids): expected one node id per rank (at least one), "
                              "got an empty sequence")
-        if same_node not in ("lane", "unix"):
-            raise ValueError(f"Topology(same_node): expected 'lane' or 'unix', got {same_node!r}")
         index: Dict[Hashable, int] = {}
         members: List[List[int]] = []
         node_of: List[int] = []
@@ -57,23 +53,22 @@ class Topology:
             members[m].append(rank)
             node_of.append(m)
         object.__setattr__(self, "node_ids", ids)
-        object.__setattr__(self, "same_node", same_node)
         object.__setattr__(self, "node_of", tuple(node_of))
         object.__setattr__(self, "node_ranks", tuple(tuple(g) for g in members))
 
     @classmethod
-    def from_sizes(cls, sizes: Sequence[int], same_node: str = "lane") -> "Topology":
+    def from_sizes(cls, sizes: Sequence[int]) -> "Topology":
         """A topology of nodes with ``sizes[i]`` ranks each, ranks filled node by node
         (``from_sizes([3, 1])``: ranks 0-2 on node 0, rank 3 on node 1)."""
         if not sizes or any(int(s) < 1 for s in sizes):
             raise ValueError(f"Topology.from_sizes(sizes): expected positive node sizes, "
                              f"got {list(sizes)!r}")
-        return cls([i for i, s in enumerate(sizes) for _ in range(int(s))], same_node)
+        return cls([i for i, s in enumerate(sizes) for _ in range(int(s))])
 
     @classmethod
-    def flat(cls, world_size: int, same_node: str = "lane") -> "Topology":
+    def flat(cls, world_size: int) -> "Topology":
         """All ``world_size`` ranks on one node."""
-        return cls.from_sizes([world_size], same_node)
+        return cls.from_sizes([world_size])
 
     @property
     def world_size(self) -> int:
@@ -97,4 +92,4 @@ class Topology:
             if not 0 <= r < self.world_size:
                 raise ValueError(f"Topology.link({name}): expected a rank in "
                                  f"[0, {self.world_size}), got {r!r}")
-        return self.same_node if self.node_of[a] == self.node_of[b] else "tcp"
+        return "unix" if self.node_of[a] == self.node_of[b] else "tcp"
