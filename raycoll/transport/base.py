@@ -204,6 +204,7 @@ class RoundTransport:
         self._done: Optional[Tuple[str, int]] = None
         self.calls = 0
         self._waiting: Optional[Tuple[int, List[int]]] = None
+        self._call: Optional["Call"] = None  # the collective running (set by ``run``)
         self._call_began = 0.0  # when the current collective began
         self._reported_at = float("-inf")
         self._report_lock = threading.Lock()
@@ -297,6 +298,19 @@ class RoundTransport:
         return {EVERY_RANK: self._done} if self._done else {}
 
     # ------------------------------------------------------------------ the coordinator
+    def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
+        """While a run waits (called by the native core every so often): the call's
+        deadline, then the coordinator's check (a dead rank, an abort, a mismatch on another
+        path)."""
+        call = self._call
+        if call is None:  # pragma: no cover - run() sets it before the core can call this
+            return
+        self._waiting = (call.seq, list(pending))
+        elapsed = time.monotonic() - self._call_began
+        if elapsed > call.timeout_s:
+            raise self.time_out(call, list(pending))
+        self.check(call, list(pending), elapsed)
+
     def check(self, call: "Call", waiting: Sequence[int] = (), waited_s: float = 0.0) -> None:
         """Ask the coordinator whether this wait (for ``waiting``, ``waited_s`` long) should
         end; raises its error if so. An unreachable coordinator (a slow or cut link) ends

@@ -92,8 +92,6 @@ class NativeSockets(RoundTransport):
         self._backoff = SpinBackoff(bool(spin))
         self._runs = 0
         self._spin_fails = 0
-        self._call: Optional["Call"] = None
-        self._began = 0.0
         #: The descriptors above are this object's own (dups of the links' sockets): closing
         #: the group closes them only once no run uses them (a run in flight ends first: the
         #: links' close shuts the sockets under it), so a number the core holds is never one
@@ -178,10 +176,10 @@ class NativeSockets(RoundTransport):
             if not missing:
                 return
             now = time.monotonic()
-            if now - self._began > call.timeout_s:
+            if now - self._call_began > call.timeout_s:
                 raise self.time_out(call, missing)
             if now >= next_check:
-                self.check(call, missing, now - self._began)
+                self.check(call, missing, now - self._call_began)
                 next_check = now + 0.5
             links.wait(0.01)
 
@@ -252,7 +250,7 @@ class NativeSockets(RoundTransport):
         group's :class:`~raycoll.transport.node_segment.NodeSegment`, whose segment the
         plan's segment operations run on in the same call (hierarchical plans). Reports this
         rank's progress to the coordinator at most once a period."""
-        self._began = time.monotonic()
+        self._call_began = time.monotonic()
         self._call = call
         with self._lock:
             if self._fds_closed:
@@ -350,17 +348,6 @@ class NativeSockets(RoundTransport):
                    if node is not None and node.seg is not None and not self._fds_closed else None)
             raise got if got is not None else self._failed(call, status, peer, err, broke, exc,
                                                            node)
-
-    def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
-        """While a run waits: the call's deadline, then the coordinator's check."""
-        call = self._call
-        if call is None:  # pragma: no cover - run() sets it first
-            return
-        self._waiting = (call.seq, list(pending))
-        elapsed = time.monotonic() - self._began
-        if elapsed > call.timeout_s:
-            raise self.time_out(call, list(pending))
-        self.check(call, list(pending), elapsed)
 
     def _tell_others(self, call: "Call", message: str) -> None:
         """The ranks that do not hear from this one (their schedule never reads it, or the

@@ -223,7 +223,6 @@ class SegmentLane(RoundTransport):
         self._policy = self._spinning if self._spin_ns else self._no_spin
         self._backoff = SpinBackoff(bool(self._spin_ns))
         self._spin_fails = 0
-        self._call: Optional["Call"] = None
         self._report_every = REPORT_EVERY_S * ctx.size  # the node's ranks together: one a period
         self._report_due = 0.0
         #: the all_reduce short path's plans and fingerprints, by (dtype, shape, op)
@@ -274,18 +273,6 @@ class SegmentLane(RoundTransport):
     def spins_failed(self) -> int:
         """Waits whose spin ran its whole length without the peer."""
         return self._backoff.failed
-
-    def _check(self, waited_s: float, pending: Tuple[int, ...]) -> None:
-        """While a run waits (called by the core every so often): the call's deadline, then
-        the coordinator's check (a dead rank, an abort, a mismatch on another path)."""
-        call = self._call
-        if call is None:  # pragma: no cover - run() sets it before the core can call this
-            return
-        self._waiting = (call.seq, list(pending))
-        elapsed = time.monotonic() - self._call_began
-        if elapsed > call.timeout_s:
-            raise self.time_out(call, list(pending))
-        self.check(call, list(pending), elapsed)
 
     @property
     def report_every_s(self) -> float:
