@@ -105,7 +105,7 @@ class Transports(Protocol):
 
     def set_up(self, call: Call) -> Any:
         """Choose and set up the round transport inside ``call``, alike on every rank: a
-        ``RoundTransport``, or ``False`` for none."""
+        ``NativeTransport``, or ``False`` for none."""
         ...
 
     def pair_pipes(self) -> Any:
@@ -169,7 +169,7 @@ class GroupContext:
         self.native = native
         self.transport = _transport_option(self.options)
         # The round transport (see raycoll.transport): None until the first collective that
-        # can use one decides; then a RoundTransport, or False (none, on every rank).
+        # can use one decides; then a NativeTransport, or False (none, on every rank).
         self._plane: Any = None
         self._shifted_seq: Optional[int] = None
         # the route of the last collective (see last_route): its (op, seq), rounds and steps

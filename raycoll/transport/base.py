@@ -1,7 +1,7 @@
 """What a group's transports share: the coordinator's checks while a call waits, progress
 reports for ``group_status``, the spin policy, and the failure path.
 
-:class:`RoundTransport` is the base of the two native transports, the node segment
+:class:`NativeTransport` is the base of the two native transports, the node segment
 (:mod:`raycoll.transport.segment`) and the native sockets
 (:mod:`raycoll.transport.native_tcp`): the waiting policy's control-plane checks (a
 dead rank, an abort or a timeout ends the wait with the coordinator's error; see
@@ -33,7 +33,7 @@ from raycoll.transport.counters import Counters
 if TYPE_CHECKING:  # pragma: no cover
     from raycoll.context import Call, GroupContext
 
-__all__ = ["RoundTransport", "SpinBackoff", "overlapping", "may_spin", "await_explanation",
+__all__ = ["NativeTransport", "SpinBackoff", "overlapping", "may_spin", "await_explanation",
            "REPORT_EVERY_S", "segment_failure"]
 
 
@@ -134,7 +134,7 @@ class SpinBackoff:
         return self.on
 
 
-def segment_failure(transport: "RoundTransport", call: "Call", seg: Any, status: int,
+def segment_failure(transport: "NativeTransport", call: "Call", seg: Any, status: int,
                     peer: int, ranks: Sequence[int],
                     broken: Callable[[], None]) -> Optional[BaseException]:
     """The error of a run on segment ``seg`` (the one-node segment or a node segment) that
@@ -186,7 +186,7 @@ def await_explanation(check: Callable[[], None], grace_s: float) -> Optional[Bas
         time.sleep(0.02)
 
 
-class RoundTransport:
+class NativeTransport:
     """One group's native transport on this rank (see the module docstring)."""
 
     #: What the transport is called in errors, and its short name (``group_status``).

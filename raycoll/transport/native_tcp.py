@@ -33,7 +33,7 @@ import numpy as np
 from raycoll import errors
 from raycoll.context import Call
 from raycoll.native import CONN_DTYPE, core, dtype_code, op_code
-from raycoll.transport.base import RoundTransport, SpinBackoff, may_spin, wait_policy
+from raycoll.transport.base import NativeTransport, SpinBackoff, may_spin, wait_policy
 from raycoll.transport.cores import host_ranks, oversubscribed
 from raycoll.tensors import dtype_name
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
@@ -53,7 +53,7 @@ SPIN_S = 50e-6
 _CACHE = 64
 
 
-class NativeSockets(RoundTransport):
+class NativeSockets(NativeTransport):
     """A group's collectives over its direct connections on this rank: each a plan of the
     native executor, checked with the coordinator while it waits. Made only where every
     rank of the group has the native core."""

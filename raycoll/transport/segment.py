@@ -48,7 +48,7 @@ from raycoll.options import or_default
 from raycoll.reduce_op import ReduceOp, reduce_arrays
 from raycoll.context import Call
 from raycoll.tensors import dtype_name
-from raycoll.transport.base import (REPORT_EVERY_S, RoundTransport, SpinBackoff, may_spin,
+from raycoll.transport.base import (REPORT_EVERY_S, NativeTransport, SpinBackoff, may_spin,
                                     segment_failure, wait_policy)
 from raycoll.transport.fingerprints import Fingerprints, all_reduce_fp
 from raycoll.transport.cores import oversubscribed
@@ -185,7 +185,7 @@ def _all_mapped(seg: Any, size: int) -> bool:
     return True
 
 
-class SegmentLane(RoundTransport):
+class SegmentLane(NativeTransport):
     """A group's node segment on this rank: the native collectives."""
 
     name = "node segment"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from raycoll.native import core
 from raycoll.transport import segment
-from raycoll.transport.base import PROBE_NOW, RoundTransport, await_explanation
+from raycoll.transport.base import PROBE_NOW, NativeTransport, await_explanation
 from raycoll.transport.cores import oversubscribed
 from raycoll.transport.links import CLOSED_GRACE_S, Links, tcp_possible
 from raycoll.transport.native_tcp import NativeSockets
@@ -76,7 +76,7 @@ class GroupTransports:
 
     def set_up(self, call: "Call") -> Any:
         """Decide, inside ``call`` and identically on every rank, which round transport the
-        group uses, and set it up: a :class:`RoundTransport`, or ``False`` for none."""
+        group uses, and set it up: a :class:`NativeTransport`, or ``False`` for none."""
         planned = self.planned()
         if planned == "lane":
             return self._set_up_lane(call)
@@ -84,7 +84,7 @@ class GroupTransports:
             return NativeSockets(self.ctx, self.links)
         return False
 
-    def _set_up_lane(self, call: "Call") -> Union[RoundTransport, bool]:
+    def _set_up_lane(self, call: "Call") -> Union[NativeTransport, bool]:
         ctx = self.ctx
         seg = segment.set_up_segment(ctx, call)
         if seg is not None:
