@@ -18,7 +18,7 @@ COUNTER_NAMES = ("bytes_sent_same_node", "bytes_sent_other_node", "bytes_recv_sa
 
 @dataclass
 class Counters:
-    """One rank's tally, for one collective or summed over many (:meth:`add`)."""
+    """One rank's tally, for one collective kind (summed over its calls)."""
 
     bytes_sent_same_node: int = 0
     bytes_sent_other_node: int = 0
@@ -56,12 +56,6 @@ class Counters:
     def add_peers(self, peers: Sequence[int]) -> None:
         """Group ranks this rank sent to or received from (counted elsewhere)."""
         self._peers.update(peers)
-
-    def add(self, other: "Counters") -> None:
-        """Add ``other``'s tally to this one (peers: the union)."""
-        for name in COUNTER_NAMES[:-1]:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self._peers |= other._peers
 
     def as_dict(self) -> Dict[str, int]:
         return {name: int(getattr(self, name)) for name in COUNTER_NAMES}
