@@ -385,3 +385,48 @@ def test_a_ray_direct_transport_object_crosses_nodes_over_tcp(two_nodes):
     finally:
         for a in (p, c):
             ray.kill(a)
+
+
+def _choices(rank, sizes):
+    from raycoll.world import world as the_world
+
+    out = []
+    for n in sizes:
+        x = np.arange(n, dtype=np.float32) % 7 * (rank + 1)
+        raycoll.all_reduce(x)
+        out.append((bool(np.array_equal(x, np.arange(n, dtype=np.float32) % 7 * 10)),
+                    the_world().default.last_route.algorithm))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_three_and_one_ranks_on_one_host_take_the_planners_choice(two_nodes):
+    """3 + 1 ranks on two Ray nodes of this machine, the default group: all_reduce of 1 MiB
+    and 8 MiB, right, each run as the planner prices it on the host's cores (the same on
+    every rank): the plan or its cheapest flat schedule. On the project's 2-core machine,
+    ``halving_doubling`` at 1 MiB and the plan at 8 MiB, what measured faster there
+    (benchmarks/BENCHMARKS.md, "The planner")."""
+    import os
+
+    from raycoll.algorithms.cost import DEFAULT
+    from raycoll.algorithms.planner import flat_times, node_plan_wins
+    from raycoll.transport.segment import SEGMENT_BYTES
+
+    ids, cores, hosts = ("a", "a", "a", "b"), os.cpu_count() or 1, ("host",) * 4
+    want = []
+    for nbytes in (1 << 20, 8 << 20):
+        flat = flat_times("all_reduce", ids, nbytes, 4, DEFAULT, 0, cores, hosts)
+        plan = node_plan_wins("all_reduce", ids, nbytes, 4, SEGMENT_BYTES // 2, DEFAULT, 0,
+                              cores, hosts)
+        want.append((True, "node_hierarchical" if plan else min(flat, key=flat.get)))
+    if cores == 2:
+        assert [w[1] for w in want] == ["halving_doubling", "node_hierarchical"]
+    actors = _three_and_one()
+    try:
+        got = run_on(actors, _choices, ([(1 << 20) // 4, (8 << 20) // 4],),
+                     group_name="three-one-choices", timeout=200)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    for rank in range(4):
+        assert got[rank] == want, (rank, got[rank], want)

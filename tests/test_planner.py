@@ -58,9 +58,10 @@ CHOICES = {
 @pytest.mark.parametrize("ids,collective", sorted(CHOICES))
 def test_the_defaults_choices_by_layout(ids, collective):
     """2 + 2 and 3 + 1 take every plan (as measured, broadcast from 1 MiB; 3 + 1
-    reduce_scatter's 1 MiB is one serial chunk: :func:`test_one_serial_chunk_costs_every_ranks_work`); 2 + 1 + 1 and
-    4 nodes of 2 exchange the whole buffer between every two nodes in all_reduce's plan, more
-    than a ring's bytes from 1 MiB or 4 nodes; 4 nodes of 1 rank have no segment to share."""
+    reduce_scatter's 1 MiB is one serial chunk, see
+    :func:`test_one_serial_chunk_costs_every_ranks_work`); 2 + 1 + 1 and 4 nodes of 2
+    exchange the whole buffer between every two nodes in all_reduce's plan, more than a
+    ring's bytes from 1 MiB or 4 nodes; 4 nodes of 1 rank have no segment to share."""
     got = "".join("-" if size < 16 and collective in ("reduce_scatter", "all_gather") else
                   "P" if node_plan_wins(collective, ids, size, 4, HALF, DEFAULT) else "f"
                   for size in (4, 64 << 10, 1 << 20, 64 << 20))

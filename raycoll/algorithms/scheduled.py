@@ -75,16 +75,19 @@ class ScheduledAlgorithms:
 
     def algorithm(self, collective: str, nbytes: int, itemsize: int, root: int = 0) -> str:
         """The algorithm this group runs ``collective`` of ``nbytes`` a rank with (the same
-        on every rank): the forced one, else the cost model's minimum; on several nodes, the
-        planner's (:func:`raycoll.algorithms.planner.flat_times`: the native executor's costs,
-        the machines' cores), the one that priced the hierarchical plan against it."""
+        on every rank): the forced one, else the cost model's minimum; on Ray nodes that share
+        one host (loopback between them, every link alike), the planner's
+        (:func:`raycoll.algorithms.planner.flat_times`: the native executor's costs, the
+        host's cores), the one that priced the hierarchical plan against it. (Across hosts
+        the cost model's link classes tell a network link from a node's own, which the
+        planner's one ``socket`` class does not.)"""
         forced = self.forced.get(collective)
         if forced is not None:
             return forced
         key = (collective, nbytes, itemsize, root)
         algo = self._choices.get(key)
         if algo is None:
-            if self.ctx.single_node:
+            if self.ctx.single_node or not on_one_host(self.ctx):
                 algo = choose(collective, self.topology, nbytes, itemsize, self.cost_model,
                               root, oversubscribed=self.oversubscribed)
             else:
