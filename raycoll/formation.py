@@ -68,24 +68,27 @@ def _info(actor_self: Any) -> Dict[str, Any]:
 
 
 def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, Any]], int]],
-             secret: bytes) -> List[Optional[BaseException]]:
-    """Runs inside a rank: install each group ``(spec, rank, roster, generation)``; each
-    group's outcome (``None``: installed), or :class:`Stale` for all if the rosters' entry
-    of this rank is not this process's."""
+             secret: bytes) -> List[Any]:
+    """Runs inside a rank: install each group ``(spec, rank, roster, generation)`` and take
+    this rank's lease on its coordinator (a call that stays pending while the rank is a
+    member; the driver hands its reference to the coordinator, ``watch_ranks``). Each
+    group's outcome: ``[lease reference]`` (installed), or the exception; :class:`Stale` for
+    all if the rosters' entry of this rank is not this process's."""
     mine = _info(actor_self)
     spec, rank, roster, _ = items[0]
     entry = roster[rank]
     if any(entry.get(k) != mine.get(k) for k in _SAME):
         return [Stale(f"rank {rank}: the driver's info of this actor is stale (its process "
                       f"changed: {entry.get('proc')!r} -> {mine.get('proc')!r})")] * len(items)
-    outcomes: List[Optional[BaseException]] = []
+    outcomes: List[Any] = []
     for spec, rank, roster, generation in items:
         try:
             client = CoordinatorClient(spec.coordinator, spec.name)
+            client.lease = spec.coordinator.lease.remote(rank, generation)
             install_root_group(spec, rank, client, {"members": roster, "generation": generation,
                                                     "secret": secret},
-                               backend_config(spec.backend), lease=True)
-            outcomes.append(None)
+                               backend_config(spec.backend), lease=False)
+            outcomes.append([client.lease])  # in a list: it travels as a reference
         except Exception as exc:  # noqa: BLE001 - this group's failure, reported as its own
             outcomes.append(exc)
     return outcomes
@@ -143,8 +146,10 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
         raise Stale(f"{label}: ranks {stale} were restarted by Ray since their info was kept")
     for out in outcomes:
         for outcome in out:
-            if outcome is not None:
+            if isinstance(outcome, BaseException):
                 raise outcome
+    for g, (spec, generation) in enumerate(zip(specs, generations)):  # not waited for
+        spec.coordinator.watch_ranks.remote(generation, [out[g] for out in outcomes])
     for spec, ref in zip(specs, formed):  # (a coordinator started now may still be starting)
         try:
             answer = ray.get(ref, timeout=max(deadline - time.monotonic(), _GRACE_S))
