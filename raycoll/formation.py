@@ -84,11 +84,11 @@ def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, A
     for spec, rank, roster, generation in items:
         try:
             client = CoordinatorClient(spec.coordinator, spec.name)
-            client.lease = spec.coordinator.lease.remote(rank, generation)
+            lease = client.take_lease(rank, generation)  # in a list: travels as a reference
             install_root_group(spec, rank, client, {"members": roster, "generation": generation,
                                                     "secret": secret},
                                backend_config(spec.backend), lease=False)
-            outcomes.append([client.lease])  # in a list: it travels as a reference
+            outcomes.append(lease)
         except Exception as exc:  # noqa: BLE001 - this group's failure, reported as its own
             outcomes.append(exc)
     return outcomes
@@ -134,8 +134,8 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
     infos = _infos(actors, now, label, group, deadline)
     roster = [dict(info, rank=r) for r, info in enumerate(infos)]
     secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
-    formed = [s.coordinator.form.remote(s.name, roster, secret, g)
-              for s, g in zip(specs, generations)]
+    clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
+    formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
     refs = [_submit(a, rank, group, _install, [(s, rank, roster, g)
                                                for s, g in zip(specs, generations)], secret)
             for rank, a in enumerate(actors)]
@@ -148,8 +148,8 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
         for outcome in out:
             if isinstance(outcome, BaseException):
                 raise outcome
-    for g, (spec, generation) in enumerate(zip(specs, generations)):  # not waited for
-        spec.coordinator.watch_ranks.remote(generation, [out[g] for out in outcomes])
+    for g, (client, generation) in enumerate(zip(clients, generations)):  # not waited for
+        client.submit_watch_ranks(generation, [out[g] for out in outcomes])
     for spec, ref in zip(specs, formed):  # (a coordinator started now may still be starting)
         try:
             answer = ray.get(ref, timeout=max(deadline - time.monotonic(), _GRACE_S))

@@ -116,6 +116,26 @@ class CoordinatorClient:
         self.lease = self.handle.lease.remote(rank, generation)
         self.handle.watch.remote(rank, generation, [self.lease])
 
+    def submit_form(self, roster: List[Dict[str, Any]], secret: bytes,
+                    generation: int) -> "ray.ObjectRef":
+        """The driver forms the group with ``roster`` (``Coordinator.form``); the answer's
+        reference (a result tuple)."""
+        ref: "ray.ObjectRef" = self.handle.form.remote(self.group_name, roster, secret,
+                                                       generation)
+        return ref
+
+    def take_lease(self, rank: int, generation: int) -> List["ray.ObjectRef"]:
+        """Take this rank's lease of ``generation`` without the ``watch`` call: its
+        reference, in a list, for the driver to hand over (:meth:`submit_watch_ranks`)."""
+        self.lease = self.handle.lease.remote(rank, generation)
+        return [self.lease]
+
+    def submit_watch_ranks(self, generation: int,
+                           leases: List[List["ray.ObjectRef"]]) -> "ray.ObjectRef":
+        """Hand every rank's lease (:meth:`take_lease`) to the coordinator at once."""
+        ref: "ray.ObjectRef" = self.handle.watch_ranks.remote(generation, leases)
+        return ref
+
     def leave(self, rank: int, timeout_s: float = LEAVE_TIMEOUT_S) -> Dict[str, Any]:
         """``rank`` leaves the group; returns ``{"all_left": bool}``."""
         return self.wait(self.handle.leave.remote(rank), timeout_s, op="leave")
