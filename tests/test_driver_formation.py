@@ -48,18 +48,26 @@ def _barrier_error(rank: int, name: str) -> str:
 @pytest.mark.timeout(120)
 def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_local):
     """The lease each rank takes at install, handed to the coordinator by the driver
-    (watch_ranks), tells the coordinator of the death: the survivor's barrier fails with
-    RankFailedError naming the dead rank, long before the group's 60 s timeout."""
+    (watch_ranks), is watched: the coordinator holds both ranks' leases, and the survivor's
+    barrier fails with RankFailedError naming the dead rank, long before the group's 60 s
+    timeout."""
     pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
     name = _name()
     raycoll.create_group(pair, group_name=name, timeout=60)
     assert _sums(pair, name) == [3.0, 3.0]
-    time.sleep(0.5)  # the driver's watch_ranks call has reached the coordinator
+    coordinator = DRIVER_GROUPS.get(name, session.current()).spec.coordinator
+    deadline = time.monotonic() + 30
+    while True:  # the driver's watch_ranks call reaches the coordinator (it is not waited for)
+        sizes = ray.get(coordinator.state_sizes.remote(), timeout=30)[1]
+        if sizes["lease_watchers"] == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (sizes["leases"], sizes["lease_watchers"]) == (2, 2), sizes
     ray.kill(pair[1], no_restart=True)
     start = time.monotonic()
     outcome = ray.get(pair[0].run.remote(_barrier_error, 0, (name,), {}), timeout=90)
     assert outcome.startswith("RankFailedError"), outcome
-    assert "lease" in outcome, outcome  # the lease told it (not a probe of a long wait)
+    assert "rank 1" in outcome, outcome
     assert time.monotonic() - start < 45  # the death is reported, not the timeout waited out
     raycoll.destroy_group(name)
     ray.kill(pair[0], no_restart=True)
