@@ -48,6 +48,8 @@ __all__ = ["Stale", "form", "forget", "unschedulable"]
 _GRACE_S = 5.0
 #: A rank info call unanswered this long has its actor looked up (never scheduled?).
 _SCHEDULED_CHECK_S = 1.0
+#: How long the driver waits for its calls' answers before it reads those that came.
+_SLICE_S = 0.25
 #: The fields of a rank's info that show it is the same process (an actor Ray restarted has
 #: another ``proc``, and listens elsewhere).
 _SAME = ("actor_id", "proc", "addr", "node_id")
@@ -185,31 +187,32 @@ def _gather(refs: List[Any], ranks: List[int], actors: Sequence[ActorHandle], la
     checked = False
     start = time.monotonic()
     while pending:
-        wait = deadline - time.monotonic()
-        if not checked:
-            wait = min(wait, start + _SCHEDULED_CHECK_S - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(wait, 0.0))
-        if not ready:
-            if not checked and time.monotonic() < deadline:
-                checked = True
-                waiting = [ranks[refs.index(p)] for p in pending]
-                never = [(r, why) for r, why in zip(waiting, unschedulable(
-                    [actors[r] for r in waiting])) if why]
-                if never:
-                    raise ValueError(
-                        f"{label}: the actors of ranks {[r for r, _ in never]} can never be "
-                        f"scheduled: rank {never[0][0]}'s {never[0][1]}; create them with "
-                        "resources the cluster has")
-                continue
+        now = time.monotonic()
+        if now >= deadline:
             break
-        i = refs.index(ready[0])
-        try:
-            answers[i] = ray.get(ready[0], timeout=_GRACE_S)
-        except ray.exceptions.RayActorError as exc:
-            raise errors.RankFailedError(f"{label}: the actor of rank {ranks[i]} is dead",
-                                         failed_ranks=[ranks[i]], group=group) from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+        if not checked and now >= start + _SCHEDULED_CHECK_S:
+            checked = True
+            waiting = [ranks[refs.index(p)] for p in pending]
+            never = [(r, why) for r, why in zip(waiting, unschedulable(
+                [actors[r] for r in waiting])) if why]
+            if never:
+                raise ValueError(
+                    f"{label}: the actors of ranks {[r for r, _ in never]} can never be "
+                    f"scheduled: rank {never[0][0]}'s {never[0][1]}; create them with "
+                    "resources the cluster has")
+        # every answer at once (a wake-up each costs on a loaded machine), in slices so that
+        # a failed call (a dead actor) is seen within _SLICE_S
+        ready, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=min(deadline - now, _SLICE_S))
+        for ref in ready:
+            i = refs.index(ref)
+            try:
+                answers[i] = ray.get(ref, timeout=_GRACE_S)
+            except ray.exceptions.RayActorError as exc:
+                raise errors.RankFailedError(f"{label}: the actor of rank {ranks[i]} is dead",
+                                             failed_ranks=[ranks[i]], group=group) from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.as_instanceof_cause() from None
     if pending:
         missing = [ranks[refs.index(p)] for p in pending]
         raise errors.DistTimeoutError(
