@@ -6,8 +6,9 @@ group of its own, with its own coordinator (so its own failures: a rank that die
 calls of every group it is in, a group's error never touches another group's calls), but
 the driver forms them all in one round (:mod:`raycoll.formation`): one call per actor
 installs every group (each rank's info fetched once, and kept), one call per coordinator
-gives it its group's roster. Nothing waits on a coordinator, so eight groups cost about
-what one does plus the eight coordinators' calls.
+gives it its group's roster. Nothing waits on a coordinator; eight groups over eight actors
+still cost 3-4 times one group on a loaded 2-core machine (eight coordinators, each taking its
+roster and every rank's lease: benchmarks/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def create_groups(actors: Sequence[ActorHandle], group_names: Sequence[str],
                   backend: Optional[str] = None, timeout: Any = None,
                   options: OptionsLike = None) -> None:
     """Form root groups ``group_names`` at once, each among all of ``actors`` (rank = position
-    in the list), as many :func:`~raycoll.create_group` calls would, in about the time of two.
+    in the list), as many :func:`~raycoll.create_group` calls would, in one round of calls.
 
     All or none: if any group cannot form (a dead actor, a timeout, a name taken), none is
     kept and the first failure is raised, as ``create_group`` raises it. Once formed, every
