@@ -4,45 +4,35 @@
 "tp" group, or one group per pipeline stage, over the same actors). Each group is a root
 group of its own, with its own coordinator (so its own failures: a rank that dies fails the
 calls of every group it is in, a group's error never touches another group's calls), but
-the actors join them all in one call each (:func:`raycoll.world.join_root_groups`: every
-group's rendezvous sent, then waited for together) instead of one call per actor and group.
-Ray's per-call cost is what bulk formation spends its time on (a 2-core machine's
-scheduler, the actors' and the coordinators' event loops), so eight groups at once cost
-about what two formed one after another do.
+the driver forms them all in one round (:mod:`raycoll.formation`): one call per actor
+installs every group (each rank's info fetched once, and kept), one call per coordinator
+gives it its group's roster. Nothing waits on a coordinator; eight groups over eight actors
+still cost 3-4 times one group on a loaded 2-core machine (eight coordinators, each taking its
+roster and every rank's lease: benchmarks/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
-import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors, session
+from raycoll import session
 from raycoll.backends import backend_config
 from raycoll.coordinator import spare
-from raycoll.launch import (DRIVER_GROUPS, _TEARDOWN_S, _DriverGroup, _check_actors, _check_name,
-                            _kill, _submit)
+from raycoll.launch import DRIVER_GROUPS, _DriverGroup, _check_actors, _check_name, form_groups
 from raycoll.options import GroupOptions, OptionsLike
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.work import to_seconds
-from raycoll.world import join_root_groups
 
 __all__ = ["create_groups"]
-
-
-def _join_many(actor_self: Any, items: List[Tuple[GroupSpec, int]]
-               ) -> List[Optional[BaseException]]:
-    """Runs inside each actor (through ``__ray_call__``): join every group of ``items``."""
-    return join_root_groups(items)
 
 
 def create_groups(actors: Sequence[ActorHandle], group_names: Sequence[str],
                   backend: Optional[str] = None, timeout: Any = None,
                   options: OptionsLike = None) -> None:
     """Form root groups ``group_names`` at once, each among all of ``actors`` (rank = position
-    in the list), as many :func:`~raycoll.create_group` calls would, in about the time of two.
+    in the list), as many :func:`~raycoll.create_group` calls would, in one round of calls.
 
     All or none: if any group cannot form (a dead actor, a timeout, a name taken), none is
     kept and the first failure is raised, as ``create_group`` raises it. Once formed, every
@@ -63,7 +53,6 @@ def create_groups(actors: Sequence[ActorHandle], group_names: Sequence[str],
     seconds = float(to_seconds(timeout, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
     now = session.require(f"create_groups(group_names={list(group_names)!r})")
     added: List[str] = []
-    taken: List[Tuple[str, spare.Spare]] = []
     try:
         for name in group_names:
             placeholder = _DriverGroup(GroupSpec(name, 0, backend, seconds, None), [])
@@ -71,54 +60,12 @@ def create_groups(actors: Sequence[ActorHandle], group_names: Sequence[str],
                 raise ValueError(f"group {name!r} already exists; destroy_group({name!r}) "
                                  "first or pick another name")
             added.append(name)
-        for name in group_names:
-            coordinator = spare.take(now)
-            if not spare.claim(now[1], name, coordinator):
-                spare.put_back(coordinator, now)
-                raise ValueError(f"group {name!r} already exists in this job")
-            taken.append((name, coordinator))
-        specs = [GroupSpec(name, len(actors), backend, seconds, c.handle, group_options)
-                 for name, c in taken]
-        refs = [_submit(a, rank, specs[0].name, _join_many, [(s, rank) for s in specs])
-                for rank, a in enumerate(actors)]
-        _wait_all(refs, [s.name for s in specs], seconds)
+        formed = form_groups(actors, list(group_names), backend, seconds, group_options, now,
+                             f"create_groups({list(group_names)!r})")
     except BaseException:
         for name in added:
             DRIVER_GROUPS.pop(name, now)
-        for name, coordinator in taken:
-            spare.unclaim(now[1], name)
-            _kill(coordinator.handle)
         raise
-    for spec, (name, coordinator) in zip(specs, taken):
-        DRIVER_GROUPS.replace(name, _DriverGroup(spec, list(actors), coordinator), now)
+    for name, entry in zip(group_names, formed):
+        DRIVER_GROUPS.replace(name, entry, now)
     spare.refill(now)
-
-
-def _wait_all(refs: List[Any], names: List[str], timeout_s: float) -> None:
-    """Wait for every actor's joins; raise at the first failure of any group (a dead actor
-    fails them all), or ``DistTimeoutError`` naming the actors that did not answer."""
-    deadline = time.monotonic() + timeout_s + 5.0  # each rendezvous times out on its own
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1,
-                                  timeout=max(deadline - time.monotonic(), 0.0))
-        if not ready:
-            break
-        rank = refs.index(ready[0])
-        try:
-            outcomes = ray.get(ready[0], timeout=_TEARDOWN_S)
-        except ray.exceptions.RayActorError as exc:
-            raise errors.RankFailedError(
-                f"create_groups({names!r}): the actor of rank {rank} is dead",
-                failed_ranks=[rank], group=names[0]) from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-        for outcome in outcomes:
-            if outcome is not None:
-                raise outcome
-    if pending:
-        missing = [rank for rank, ref in enumerate(refs) if ref in pending]
-        raise errors.DistTimeoutError(
-            f"create_groups({names!r}): ranks {missing} did not join within {timeout_s:g}s (a "
-            "sync actor busy in another method cannot join until it returns)",
-            missing=missing, group=names[0], op="create_groups")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -26,12 +25,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors, session
+from raycoll import errors, formation, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, spare
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
-from raycoll.world import join_root_group, world
+from raycoll.world import world
 from raycoll.options import GroupOptions, OptionsLike
 from raycoll.work import to_seconds
 
@@ -53,11 +52,6 @@ class _DriverGroup:
 #: The groups this process formed, by name, each of the Ray session it was formed in (read by
 #: :mod:`raycoll.status`).
 DRIVER_GROUPS: session.SessionRecords[_DriverGroup] = session.SessionRecords("group")
-
-
-def _join(actor_self: Any, spec: GroupSpec, rank: int) -> None:
-    """Runs inside each actor (through ``__ray_call__``): join the group as ``rank``."""
-    join_root_group(spec, rank)
 
 
 def _leave(actor_self: Any, group_name: str) -> None:
@@ -96,25 +90,57 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     if not DRIVER_GROUPS.add(group_name, placeholder, now):
         raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
                          "first or pick another group_name")
-    coordinator: Optional[spare.Spare] = None
     try:
-        coordinator = spare.take(now)  # started ahead, or now
-        if not spare.claim(now[1], group_name, coordinator):
-            spare.put_back(coordinator, now)
-            coordinator = None
-            raise ValueError(f"group {group_name!r} already exists in this job")
-        spec = GroupSpec(group_name, len(actors), backend, seconds, coordinator.handle,
-                         group_options)
-        refs = [_submit(a, rank, group_name, _join, spec, rank) for rank, a in enumerate(actors)]
-        _wait_joined(refs, seconds, group_name)
+        formed = form_groups(actors, [group_name], backend, seconds, group_options, now,
+                             f"create_group({group_name!r})")
     except BaseException:
         DRIVER_GROUPS.pop(group_name, now)
-        if coordinator is not None:
-            spare.unclaim(now[1], group_name)
-            _kill(coordinator.handle)
         raise
-    DRIVER_GROUPS.replace(group_name, _DriverGroup(spec, list(actors), coordinator), now)
+    DRIVER_GROUPS.replace(group_name, formed[0], now)
     spare.refill(now)  # the next group's coordinator, started while this one is used
+
+
+def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Optional[str],
+                seconds: float, group_options: GroupOptions, now: session.SessionKey,
+                label: str) -> List[_DriverGroup]:
+    """Form root groups ``names`` over ``actors``, each with a coordinator of its own (taken
+    idle, or started), by their driver (:mod:`raycoll.formation`); all or none: on any
+    failure every group is undone (ranks told to leave, names freed, coordinators ended)
+    and the failure raised. Forms again once if a rank's kept info was stale."""
+    for attempt in (0, 1):
+        taken: List[spare.Spare] = []
+        specs: List[GroupSpec] = []
+        try:
+            for name in names:
+                coordinator = spare.take(now)  # idle (started ahead, recycled), or started
+                if not spare.claim(now[1], name, coordinator):
+                    spare.put_back(coordinator, now)
+                    raise ValueError(f"group {name!r} already exists in this job")
+                taken.append(coordinator)
+                specs.append(GroupSpec(name, len(actors), backend, seconds, coordinator.handle,
+                                       group_options))
+            formation.form(actors, specs, [c.generation for c in taken], label)
+            return [_DriverGroup(spec, list(actors), c) for spec, c in zip(specs, taken)]
+        except BaseException as exc:
+            for actor in actors if specs else []:
+                try:  # a rank that installed a group forgets it (after its install call)
+                    actor.__ray_call__.remote(_undo, [s.name for s in specs])
+                except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
+                    pass
+            for name, coordinator in zip(names, taken):
+                spare.unclaim(now[1], name)
+                _kill(coordinator.handle)
+            if not isinstance(exc, formation.Stale) or attempt:
+                raise
+            logger.debug("raycoll: %s: %s; forming again", label, exc)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _undo(actor_self: Any, names: List[str]) -> None:
+    """Runs inside each actor: forget the groups of a formation that failed, if installed."""
+    for name in names:
+        if name in world().groups:
+            world().remove(name, "the group's formation failed")
 
 
 def _check_actors(actors: Sequence[ActorHandle]) -> None:
@@ -159,34 +185,6 @@ def _kill(actor: ActorHandle) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _wait_joined(refs: List[Any], timeout_s: float, group_name: str) -> None:
-    """Wait for every join; raise at the first one that failed (a dead actor, an error)
-    instead of letting the others wait out the timeout in rendezvous."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        left = deadline - time.monotonic()
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
-        if not ready:
-            break
-        rank = refs.index(ready[0])
-        try:
-            ray.get(ready[0], timeout=_TEARDOWN_S)
-        except ray.exceptions.RayActorError as exc:
-            raise errors.RankFailedError(
-                f"create_group({group_name!r}): the actor of rank {rank} is dead",
-                failed_ranks=[rank], group=group_name) from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-    if pending:
-        missing = [rank for rank, ref in enumerate(refs) if ref in pending]
-        raise errors.DistTimeoutError(
-            f"create_group({group_name!r}): ranks {missing} did not join within {timeout_s:g}s "
-            "(a sync actor busy in another method cannot join until it returns; an actor "
-            "whose resources cannot be scheduled never starts)",
-            missing=missing, group=group_name, op="create_group")
 
 
 def destroy_group(group_name: str = "default") -> None:

@@ -29,7 +29,6 @@ __all__ = [
     "NON_GROUP_MEMBER",
     "world",
     "join_root_group",
-    "join_root_groups",
     "install_root_group",
     "make_subgroup",
 ]
@@ -204,36 +203,6 @@ def join_root_group(spec: GroupSpec, rank: int, make_default: Optional[bool] = N
     pg = install_root_group(spec, rank, client, info, config, make_default, lease=False)
     logger.debug("rank %d joined group %r (world_size=%d)", rank, spec.name, spec.world_size)
     return pg
-
-
-def join_root_groups(items: Sequence[Tuple[GroupSpec, int]]) -> List[Optional[BaseException]]:
-    """Join several root groups at once (``(spec, rank)`` each; :func:`raycoll.create_groups`):
-    every group's rendezvous is sent before any is waited for, so the joins overlap instead of
-    queueing in this process. Returns each group's outcome in order: ``None`` (joined) or the
-    exception that group's join raised; one group's failure leaves the others joined."""
-    where = listener()
-    info = rank_info(where.address if where else None)  # the same for every group
-    started: List[Tuple[Optional[CoordinatorClient], Any]] = []
-    for spec, rank in items:
-        try:
-            client = CoordinatorClient(spec.coordinator, spec.name)
-            started.append((client, client.start_rendezvous(rank, spec.world_size, info,
-                                                            spec.timeout_s)))
-        except Exception as exc:  # noqa: BLE001 - this group's failure, reported as its own
-            started.append((None, exc))
-    outcomes: List[Optional[BaseException]] = []
-    for (spec, rank), (sent, ref) in zip(items, started):
-        if sent is None:
-            outcomes.append(ref)
-            continue
-        try:
-            answer = sent.wait(ref, spec.timeout_s, group=spec.name, rank=rank, op="rendezvous")
-            install_root_group(spec, rank, sent, answer, backend_config(spec.backend),
-                               lease=False)
-            outcomes.append(None)
-        except Exception as exc:  # noqa: BLE001 - as above
-            outcomes.append(exc)
-    return outcomes
 
 
 def install_root_group(spec: GroupSpec, rank: int, client: CoordinatorClient,

@@ -252,7 +252,30 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
                 future.set_result(None)
         CoordinatorState.__init__(self, "", 0)
         self._generation = generation
-        return ok({"recycled": True})
+        return ok({"recycled": True, "generation": generation})
+
+    def form(self, group_name: str, roster: List[Dict[str, Any]], secret: bytes,
+             generation: int) -> Result:
+        """The group formed by its driver (:mod:`raycoll.formation`): ``roster`` is every
+        rank's info (``rank`` included), in rank order, as a rendezvous would have gathered
+        it, and ``secret`` the direct connections' secret; the ranks install it themselves,
+        each taking its lease (``lease``, ``watch``) with no call that waits. Refused unless
+        this coordinator serves no group yet (started ahead or recycled) at ``generation``
+        (the one its driver was told): it never takes over a group another formed."""
+        if (self._group_name or self._members or self._owned_by_ranks or self._dead
+                or generation != self._generation):
+            return err("value", f"coordinator of generation {self._generation} serving "
+                       f"{self._group_name!r} cannot form group {group_name!r} (generation "
+                       f"{generation} expected, no group yet)")
+        self._group_name = group_name
+        self._world_size = len(roster)
+        self._members = {r: member for r, member in enumerate(roster)}
+        self._roster = list(roster)
+        self._secret = secret
+        self._formed.set()
+        self._reset = asyncio.Event()
+        self._left = set()
+        return ok({"generation": generation})
 
     def _linger(self) -> None:
         """A by-name coordinator whose ranks all left waits ``LINGER_S``, idle, for the same

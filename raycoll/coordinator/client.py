@@ -116,15 +116,36 @@ class CoordinatorClient:
         self.lease = self.handle.lease.remote(rank, generation)
         self.handle.watch.remote(rank, generation, [self.lease])
 
+    def submit_form(self, roster: List[Dict[str, Any]], secret: bytes,
+                    generation: int) -> "ray.ObjectRef":
+        """The driver forms the group with ``roster`` (``Coordinator.form``); the answer's
+        reference (a result tuple)."""
+        ref: "ray.ObjectRef" = self.handle.form.remote(self.group_name, roster, secret,
+                                                       generation)
+        return ref
+
+    def take_lease(self, rank: int, generation: int) -> List["ray.ObjectRef"]:
+        """Take this rank's lease of ``generation`` without the ``watch`` call: its
+        reference, in a list, for the driver to hand over (:meth:`submit_watch_ranks`)."""
+        self.lease = self.handle.lease.remote(rank, generation)
+        return [self.lease]
+
+    def submit_watch_ranks(self, generation: int,
+                           leases: List[List["ray.ObjectRef"]]) -> "ray.ObjectRef":
+        """Hand every rank's lease (:meth:`take_lease`) to the coordinator at once."""
+        ref: "ray.ObjectRef" = self.handle.watch_ranks.remote(generation, leases)
+        return ref
+
     def leave(self, rank: int, timeout_s: float = LEAVE_TIMEOUT_S) -> Dict[str, Any]:
         """``rank`` leaves the group; returns ``{"all_left": bool}``."""
         return self.wait(self.handle.leave.remote(rank), timeout_s, op="leave")
 
-    def recycle(self, timeout_s: float) -> bool:
-        """Empty this coordinator's tables for the next group (``Coordinator.recycle``);
-        False where it refuses (something of its group pending, or it saw a failure)."""
-        return bool(self.wait(self.handle.recycle.remote(), timeout_s, op="recycle")
-                    .get("recycled"))
+    def recycle(self, timeout_s: float) -> Optional[int]:
+        """Empty this coordinator's tables for the next group (``Coordinator.recycle``): the
+        generation it then waits at; ``None`` where it refuses (something of its group
+        pending, or it saw a failure)."""
+        answer = self.wait(self.handle.recycle.remote(), timeout_s, op="recycle")
+        return int(answer["generation"]) if answer.get("recycled") else None
 
     def reconfigure(self, kind: str, generation: Optional[int], old_rank: Optional[int],
                     new_rank: int, new_size: Optional[int], plan: Any,
@@ -310,7 +331,7 @@ def rank_info(address: Any = None) -> Dict[str, Any]:
     ctx = ray.get_runtime_context()
     info: Dict[str, Any] = {"node_id": ctx.get_node_id(), "actor_id": None, "actor": None,
                             "time": time.time(), "addr": address,
-                            "native": native_available()}
+                            "native": native_available(), "proc": PROCESS_TOKEN}
     try:
         info["actor_id"] = ctx.get_actor_id()
         if info["actor_id"]:  # packed once per process (5-50 ms): a rank joins many groups
@@ -323,6 +344,10 @@ def rank_info(address: Any = None) -> Dict[str, Any]:
     return info
 
 
+#: This process's token in its rank info: a restarted actor (a new process, the same actor id)
+#: has another, so a driver's copy of its info from before the restart is seen stale
+#: (:mod:`raycoll.formation`).
+PROCESS_TOKEN = os.urandom(8).hex()
 #: This process's own actor handle, packed, by (job, actor id).
 _PACKED_SELF: Dict[Tuple[str, str], bytes] = {}
 #: Handles unpacked here, by their bytes, while something (a group's roster) holds them:

@@ -80,11 +80,16 @@ POOL_MAX = 16
 
 @dataclass(frozen=True)
 class Spare:
-    """A coordinator: its handle, its Ray actor name, and whether it was started ahead."""
+    """A coordinator: its handle, its Ray actor name, whether it was started ahead, and the
+    generation it waits at for its next group (0 for one started here; a recycled one's next,
+    as it answered :meth:`Coordinator.recycle
+    <raycoll.coordinator.actor.Coordinator.recycle>`), which its driver forms the group at
+    (:mod:`raycoll.formation`)."""
 
     handle: Any
     name: str
     ahead: bool = True
+    generation: int = 0
 
 
 _SPARES: session.SessionRecords[Spare] = session.SessionRecords("spare coordinator")
@@ -176,14 +181,15 @@ def recycle(handle: Any, name: str, now: Optional[session.SessionKey],
     group then starts no process: groups formed back to back take milliseconds."""
     kept = False
     if now is not None and enabled():
+        generation: Optional[int] = None
         try:
-            kept = CoordinatorClient(handle, name).recycle(timeout_s)
+            generation = CoordinatorClient(handle, name).recycle(timeout_s)
         except Exception as exc:  # noqa: BLE001 - dead, busy or gone: end it
             logger.debug("raycoll: recycling a coordinator failed: %s", exc)
-        if kept:
+        if generation is not None:
             with _LOCK:
                 kept = len(_idle(now)) < POOL_MAX and _SPARES.add(
-                    _key(), Spare(handle, name), now)
+                    _key(), Spare(handle, name, generation=generation), now)
                 if kept:
                     _COUNTS["recycled"] += 1
     if not kept:

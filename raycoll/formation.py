@@ -1,0 +1,251 @@
+"""Driver side: root groups formed by their driver, with no rendezvous.
+
+:func:`raycoll.create_group` and :func:`raycoll.create_groups` know every rank of a group
+before it forms (the actors, in rank order), and the coordinator is one the driver holds
+(started ahead or recycled, :mod:`raycoll.coordinator.spare`): a rendezvous, in which each
+rank calls the coordinator and waits for the others, only gathers what the driver can
+gather itself. So the driver forms the group (:func:`form`):
+
+1. every rank's info (:func:`raycoll.coordinator.rank_info`: its node, actor, listener
+   address, process), fetched with one call per actor the first time and kept for the Ray
+   session (by actor id: an actor's info changes only when Ray restarts its process);
+2. the roster and the direct connections' secret sent to the coordinator
+   (:meth:`Coordinator.form <raycoll.coordinator.actor.Coordinator.form>`) and to every
+   actor at once (one call per actor for all the groups of a :func:`raycoll.create_groups`
+   call); each rank installs its groups and takes its lease on each coordinator
+   (``lease`` + ``watch``, calls it does not wait for), so no rank waits on a coordinator.
+
+A formation is then one round of calls from the driver (two the first time an actor is
+seen), against a rendezvous' driver call, rank call and coordinator answer, each rank
+blocked in Ray's ``ray.get`` meanwhile. A rank whose info the driver kept is stale (Ray
+restarted the actor: a new process) refuses its roster; the formation is undone
+(:class:`Stale`) and the caller forms again with fresh infos.
+
+A group's coordinator, its failures and its calls are its own as before: only who gathers
+the roster changed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import ray
+from ray.actor import ActorHandle
+
+from raycoll import errors, session
+from raycoll.backends import backend_config
+from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.process_group import GroupSpec
+from raycoll.transport.tcp import listener
+from raycoll.world import install_root_group
+
+__all__ = ["Stale", "form", "forget", "unschedulable"]
+
+#: How long a driver call into a rank waits after the group's timeout for its answer.
+_GRACE_S = 5.0
+#: A rank info call unanswered this long has its actor looked up (never scheduled?).
+_SCHEDULED_CHECK_S = 1.0
+#: How long the driver waits for its calls' answers before it reads those that came.
+_SLICE_S = 0.25
+#: The fields of a rank's info that show it is the same process (an actor Ray restarted has
+#: another ``proc``, and listens elsewhere).
+_SAME = ("actor_id", "proc", "addr", "node_id")
+_INFOS: Dict[Tuple[Any, bytes], Dict[str, Any]] = {}
+_INFOS_MAX = 4096
+_LOCK = threading.Lock()
+
+
+class Stale(Exception):
+    """The driver's copy of a rank's info is from before Ray restarted the actor: the
+    formation was undone; form again (the copy is forgotten)."""
+
+
+def _info(actor_self: Any) -> Dict[str, Any]:
+    """Runs inside a rank: its info, as a rendezvous would send it."""
+    where = listener()
+    return rank_info(where.address if where else None)
+
+
+def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, Any]], int]],
+             secret: bytes) -> List[Any]:
+    """Runs inside a rank: install each group ``(spec, rank, roster, generation)`` and take
+    this rank's lease on its coordinator (a call that stays pending while the rank is a
+    member; the driver hands its reference to the coordinator, ``watch_ranks``). Each
+    group's outcome: ``[lease reference]`` (installed), or the exception; :class:`Stale` for
+    all if the rosters' entry of this rank is not this process's."""
+    mine = _info(actor_self)
+    spec, rank, roster, _ = items[0]
+    entry = roster[rank]
+    if any(entry.get(k) != mine.get(k) for k in _SAME):
+        return [Stale(f"rank {rank}: the driver's info of this actor is stale (its process "
+                      f"changed: {entry.get('proc')!r} -> {mine.get('proc')!r})")] * len(items)
+    outcomes: List[Any] = []
+    for spec, rank, roster, generation in items:
+        try:
+            client = CoordinatorClient(spec.coordinator, spec.name)
+            lease = client.take_lease(rank, generation)  # in a list: travels as a reference
+            install_root_group(spec, rank, client, {"members": roster, "generation": generation,
+                                                    "secret": secret},
+                               backend_config(spec.backend), lease=False)
+            outcomes.append(lease)
+        except Exception as exc:  # noqa: BLE001 - this group's failure, reported as its own
+            outcomes.append(exc)
+    return outcomes
+
+
+def forget(actors: Sequence[ActorHandle]) -> None:
+    """Drop the driver's copies of these actors' infos (their next group fetches them)."""
+    now = session.current()
+    with _LOCK:
+        for actor in actors:
+            _INFOS.pop((now, actor._actor_id.binary()), None)
+
+
+def _infos(actors: Sequence[ActorHandle], now: Any, label: str, group: str,
+           deadline: float) -> List[Dict[str, Any]]:
+    """Every actor's info: the kept copy, or fetched (one call each, all at once)."""
+    with _LOCK:
+        infos = [_INFOS.get((now, a._actor_id.binary())) for a in actors]
+    missing = [r for r, info in enumerate(infos) if info is None]
+    if missing:
+        refs = [_submit(actors[r], r, group, _info) for r in missing]
+        for r, info in zip(missing, _gather(refs, missing, actors, label, group, deadline)):
+            infos[r] = info
+        with _LOCK:
+            if len(_INFOS) > _INFOS_MAX:
+                _INFOS.clear()
+            for r in missing:
+                _INFOS[(now, actors[r]._actor_id.binary())] = infos[r]  # type: ignore[assignment]
+    return [info for info in infos if info is not None]
+
+
+def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations: Sequence[int],
+         label: str) -> None:
+    """Form root groups ``specs`` (each over all of ``actors``, rank = position; each spec's
+    coordinator one this driver holds, serving no group yet at its ``generations`` entry).
+    Raises the first failure (``RankFailedError`` for a dead actor, ``DistTimeoutError`` for
+    ranks that did not answer, ``ValueError`` for actors that can never be scheduled, a
+    group's own error), or :class:`Stale`; the caller then undoes every group (ranks that
+    installed one leave it when told, as ``destroy_group`` tells them)."""
+    now = session.current()
+    group = specs[0].name
+    deadline = time.monotonic() + max(s.timeout_s for s in specs)
+    infos = _infos(actors, now, label, group, deadline)
+    roster = [dict(info, rank=r) for r, info in enumerate(infos)]
+    secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
+    clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
+    formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
+    refs = [_submit(a, rank, group, _install, [(s, rank, roster, g)
+                                               for s, g in zip(specs, generations)], secret)
+            for rank, a in enumerate(actors)]
+    outcomes = _gather(refs, list(range(len(actors))), actors, label, group, deadline)
+    stale = [r for r, out in enumerate(outcomes) if out and isinstance(out[0], Stale)]
+    if stale:
+        forget([actors[r] for r in stale])
+        raise Stale(f"{label}: ranks {stale} were restarted by Ray since their info was kept")
+    for out in outcomes:
+        for outcome in out:
+            if isinstance(outcome, BaseException):
+                raise outcome
+    for g, (client, generation) in enumerate(zip(clients, generations)):  # not waited for
+        client.submit_watch_ranks(generation, [out[g] for out in outcomes])
+    for spec, ref in zip(specs, formed):  # (a coordinator started now may still be starting)
+        try:
+            answer = ray.get(ref, timeout=max(deadline - time.monotonic(), _GRACE_S))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise errors.CoordinatorDiedError(
+                f"{label}: the coordinator of group {spec.name!r} did not take the group: "
+                f"{type(exc).__name__}", group=spec.name) from exc
+        if answer[0] != "ok":
+            raise errors.CoordinatorDiedError(
+                f"{label}: the coordinator of group {spec.name!r} refused the group: "
+                f"{answer[1]}", group=spec.name)
+
+
+def _submit(actor: ActorHandle, rank: int, group: str, fn: Any, *args: Any) -> Any:
+    try:
+        return actor.__ray_call__.remote(fn, *args)
+    except Exception as exc:  # Ray raises a bare Exception ("Can't find actor ...")
+        raise errors.RaySessionError(
+            f"group {group!r}: Ray cannot reach the actor of rank {rank}: its handle is from a "
+            "Ray session that has ended (ray.shutdown() or ray.init() since the actor was "
+            "created) or from another cluster; create the actors again in this session "
+            f"(Ray said: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc})"
+        ) from exc
+
+
+def _gather(refs: List[Any], ranks: List[int], actors: Sequence[ActorHandle], label: str,
+            group: str, deadline: float) -> List[Any]:
+    """Every call's answer, in order; raises at the first that failed (a dead actor: its
+    rank's ``RankFailedError``), or ``DistTimeoutError`` naming the ranks that did not answer
+    by ``deadline``; ``ValueError`` at once for actors that can never be scheduled."""
+    answers: Dict[int, Any] = {}
+    pending = list(refs)
+    checked = False
+    start = time.monotonic()
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if not checked and now >= start + _SCHEDULED_CHECK_S:
+            checked = True
+            waiting = [ranks[refs.index(p)] for p in pending]
+            never = [(r, why) for r, why in zip(waiting, unschedulable(
+                [actors[r] for r in waiting])) if why]
+            if never:
+                raise ValueError(
+                    f"{label}: the actors of ranks {[r for r, _ in never]} can never be "
+                    f"scheduled: rank {never[0][0]}'s {never[0][1]}; create them with "
+                    "resources the cluster has")
+        # every answer at once (a wake-up each costs on a loaded machine), in slices so that
+        # a failed call (a dead actor) is seen within _SLICE_S
+        ready, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=min(deadline - now, _SLICE_S))
+        for ref in ready:
+            i = refs.index(ref)
+            try:
+                answers[i] = ray.get(ref, timeout=_GRACE_S)
+            except ray.exceptions.RayActorError as exc:
+                raise errors.RankFailedError(f"{label}: the actor of rank {ranks[i]} is dead",
+                                             failed_ranks=[ranks[i]], group=group) from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.as_instanceof_cause() from None
+    if pending:
+        missing = [ranks[refs.index(p)] for p in pending]
+        raise errors.DistTimeoutError(
+            f"{label}: ranks {missing} did not answer in time (a sync actor busy in another "
+            "method cannot join until it returns; an actor whose resources cannot be "
+            "scheduled never starts)", missing=missing, group=group, op="create_group")
+    return [answers[i] for i in range(len(refs))]
+
+
+def unschedulable(actors: Sequence[ActorHandle]) -> List[Optional[str]]:
+    """For each actor still waiting to be created, why no node of the cluster can ever hold
+    it (its resources above every live node's total, and above what an autoscaling
+    cluster's configuration allows); ``None`` for an actor that can be (or is) scheduled, or
+    where Ray cannot tell."""
+    try:
+        from ray._private import state
+        from ray.core.generated import gcs_pb2
+
+        nodes = list(state.state.total_resources_per_node().values())
+        ceiling = state.state.get_max_resources_from_cluster_config() or {}
+    except Exception:  # noqa: BLE001 - Ray's internals moved: tell nothing
+        return [None] * len(actors)
+    out: List[Optional[str]] = []
+    for actor in actors:
+        try:
+            data = gcs_pb2.ActorTableData.FromString(state.state.get_actor_info(actor._actor_id))
+        except Exception:  # noqa: BLE001 - not found (yet): tell nothing
+            out.append(None)
+            continue
+        need = dict(data.required_resources)
+        pending = data.state == gcs_pb2.ActorTableData.PENDING_CREATION
+        fits = any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes)
+        could = all(ceiling.get(k, 0.0) >= v for k, v in need.items()) if ceiling else False
+        out.append(f"actor needs {need} and no node has that (nodes' resources: {nodes})"
+                   if pending and need and not fits and not could else None)
+    return out
