@@ -39,10 +39,10 @@ from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, rank_info
 from raycoll.process_group import GroupSpec
-from raycoll.transport.tcp import listener
+from raycoll.transport.links import listener
 from raycoll.world import install_root_group
 
-__all__ = ["Stale", "form", "forget", "unschedulable"]
+__all__ = ["Stale", "form", "forget", "submit", "unschedulable"]
 
 #: How long a driver call into a rank waits after the group's timeout for its answer.
 _GRACE_S = 5.0
@@ -111,7 +111,7 @@ def _infos(actors: Sequence[ActorHandle], now: Any, label: str, group: str,
         infos = [_INFOS.get((now, a._actor_id.binary())) for a in actors]
     missing = [r for r, info in enumerate(infos) if info is None]
     if missing:
-        refs = [_submit(actors[r], r, group, _info) for r in missing]
+        refs = [submit(actors[r], r, group, _info) for r in missing]
         for r, info in zip(missing, _gather(refs, missing, actors, label, group, deadline)):
             infos[r] = info
         with _LOCK:
@@ -135,10 +135,10 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
     deadline = time.monotonic() + max(s.timeout_s for s in specs)
     infos = _infos(actors, now, label, group, deadline)
     roster = [dict(info, rank=r) for r, info in enumerate(infos)]
-    secret = secrets.token_bytes(16)  # for direct connections (transport.tcp)
+    secret = secrets.token_bytes(16)  # for direct connections (transport.links)
     clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
     formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
-    refs = [_submit(a, rank, group, _install, [(s, rank, roster, g)
+    refs = [submit(a, rank, group, _install, [(s, rank, roster, g)
                                                for s, g in zip(specs, generations)], secret)
             for rank, a in enumerate(actors)]
     outcomes = _gather(refs, list(range(len(actors))), actors, label, group, deadline)
@@ -165,7 +165,9 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
                 f"{answer[1]}", group=spec.name)
 
 
-def _submit(actor: ActorHandle, rank: int, group: str, fn: Any, *args: Any) -> Any:
+def submit(actor: ActorHandle, rank: int, group: str, fn: Any, *args: Any) -> Any:
+    """``actor.__ray_call__.remote(fn, *args)``, or RaySessionError where Ray refuses the
+    handle (it is from a Ray session that has ended, or from another cluster)."""
     try:
         return actor.__ray_call__.remote(fn, *args)
     except Exception as exc:  # Ray raises a bare Exception ("Can't find actor ...")

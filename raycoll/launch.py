@@ -160,20 +160,6 @@ def _check_name(group_name: Any) -> None:
         raise ValueError(f"group_name must be a non-empty str without '/', got {group_name!r}")
 
 
-def _submit(actor: ActorHandle, rank: int, group_name: str, fn: Callable[..., Any],
-            *args: Any) -> Any:
-    """``actor.__ray_call__.remote(fn, *args)``, or RaySessionError where Ray refuses the
-    handle (it is from a Ray session that has ended, or from another cluster)."""
-    try:
-        return actor.__ray_call__.remote(fn, *args)
-    except Exception as exc:  # Ray raises a bare Exception ("Can't find actor ...")
-        raise errors.RaySessionError(
-            f"group {group_name!r}: Ray cannot reach the actor of rank {rank}: its handle is "
-            "from a Ray session that has ended (ray.shutdown() or ray.init() since the actor "
-            "was created) or from another cluster; create the actors again in this session "
-            f"(Ray said: {_first_line(exc)})") from exc
-
-
 def _kill(actor: ActorHandle) -> None:
     """``ray.kill``, quietly: teardown of an actor that may be gone already."""
     try:
@@ -389,9 +375,9 @@ def _export_env(actor_self: Any, group_name: str, rank: int, master: Tuple[str, 
 
 
 def _set_torchrun_env(actors: Sequence[ActorHandle], group_name: str, timeout_s: float) -> None:
-    master = _collect([_submit(actors[0], 0, group_name, _master_endpoint)], group_name,
+    master = _collect([formation.submit(actors[0], 0, group_name, _master_endpoint)], group_name,
                       timeout_s)[0]
-    refs = [_submit(a, rank, group_name, _export_env, group_name, rank, master)
+    refs = [formation.submit(a, rank, group_name, _export_env, group_name, rank, master)
             for rank, a in enumerate(actors)]
     _collect(refs, group_name, timeout_s)
 

@@ -328,3 +328,20 @@ def all_reduces_on_one_core(calls: int, stats: Any) -> Any:
     finally:
         os.sched_setaffinity(0, cores)
 
+
+def _rank_sum(rank: int, name: str) -> float:
+    import raycoll
+
+    x = np.full(3, rank + 1.0)
+    raycoll.all_reduce(x, group=name)
+    return float(x[0])
+
+
+def group_sums(actors: Sequence[Any], name: str) -> Any:
+    """Each rank's sum of ``rank + 1`` over group ``name`` (an all_reduce in every actor of
+    ``actors``, raycoll's ``RankWorker`` s, rank = position)."""
+    import ray
+
+    return ray.get([a.run.remote(_rank_sum, r, (name,), {}) for r, a in enumerate(actors)],
+                   timeout=60)
+

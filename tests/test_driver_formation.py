@@ -7,26 +7,14 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any, List
 
-import numpy as np
 import pytest
 import ray
 
 import raycoll
+from helpers import group_sums
 from raycoll import errors, formation, session
 from raycoll.launch import DRIVER_GROUPS, RankWorker
-
-
-def _sum(rank: int, name: str) -> float:
-    x = np.full(2, rank + 1.0)
-    raycoll.all_reduce(x, group=name)
-    return float(x[0])
-
-
-def _sums(actors: List[Any], name: str) -> List[float]:
-    return ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(actors)],
-                   timeout=60)
 
 
 def _name() -> str:
@@ -54,7 +42,7 @@ def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_lo
     pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
     name = _name()
     raycoll.create_group(pair, group_name=name, timeout=60)
-    assert _sums(pair, name) == [3.0, 3.0]
+    assert group_sums(pair, name) == [3.0, 3.0]
     coordinator = DRIVER_GROUPS.get(name, session.current()).spec.coordinator
     deadline = time.monotonic() + 30
     while True:  # the driver's watch_ranks call reaches the coordinator (it is not waited for)
@@ -83,7 +71,7 @@ def test_an_actor_restarted_by_ray_forms_its_next_group_with_fresh_info(ray_loca
     try:
         first = _name()
         raycoll.create_group(actors, group_name=first, timeout=60)
-        assert _sums(actors, first) == [3.0, 3.0]
+        assert group_sums(actors, first) == [3.0, 3.0]
         raycoll.destroy_group(first)
         old = ray.get(actors[1].run.remote(_pid, 1, (), {}), timeout=60)
         ray.kill(actors[1], no_restart=False)  # Ray restarts it: a new process
@@ -97,7 +85,7 @@ def test_an_actor_restarted_by_ray_forms_its_next_group_with_fresh_info(ray_loca
                 time.sleep(0.5)
         second = _name()
         raycoll.create_group(actors, group_name=second, timeout=60)
-        assert _sums(actors, second) == [3.0, 3.0]
+        assert group_sums(actors, second) == [3.0, 3.0]
         raycoll.destroy_group(second)
     finally:
         for actor in actors:
@@ -140,7 +128,7 @@ def test_a_coordinator_refuses_a_roster_while_it_serves_a_group(rank_actors):
         answer = ray.get(entry.spec.coordinator.form.remote(
             "another", roster, b"0" * 16, entry.coordinator.generation), timeout=30)
         assert answer[0] != "ok" and "cannot form group 'another'" in str(answer), answer
-        assert _sums(pair, name) == [3.0, 3.0]  # the group it serves is untouched
+        assert group_sums(pair, name) == [3.0, 3.0]  # the group it serves is untouched
     finally:
         raycoll.destroy_group(name)
 

@@ -13,27 +13,16 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
-import numpy as np
 import pytest
 import ray
 
 import raycoll
+from helpers import group_sums
 from raycoll import session
 from raycoll.coordinator import spare
 from raycoll.launch import DRIVER_GROUPS
-
-
-def _sum(rank: int, name: str) -> float:
-    x = np.full(3, rank + 1.0)
-    raycoll.all_reduce(x, group=name)
-    return float(x[0])
-
-
-def _sums(actors: List[Any], name: str) -> List[float]:
-    return ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(actors)],
-                   timeout=60)
 
 
 def _coordinator(name: str) -> Any:
@@ -59,8 +48,8 @@ def test_the_next_group_over_live_actors_takes_the_coordinator_started_ahead(ran
         assert after == dict(before, started=before["started"] + 1, taken=before["taken"] + 1)
         refill = spare.pending()
         assert refill is not None and refill.name != ahead.name
-        assert _sums(rank_actors[:2], first) == [3.0, 3.0]
-        assert _sums(rank_actors[1:][::-1], second) == [3.0, 3.0]
+        assert group_sums(rank_actors[:2], first) == [3.0, 3.0]
+        assert group_sums(rank_actors[1:][::-1], second) == [3.0, 3.0]
         # the group's name finds it from the job, and is taken: a second formation is refused
         # and consumes no coordinator
         assert spare.find(job, second)._actor_id == ahead.handle._actor_id
@@ -84,7 +73,7 @@ def test_the_next_group_over_live_actors_takes_the_coordinator_started_ahead(ran
         assert _coordinator(second)._actor_id == ahead.handle._actor_id
         assert spare.counts() == dict(before, taken=before["taken"] + 1)
         assert raycoll.group_status(second)["generation"] > 0  # a new generation, own tables
-        assert _sums(rank_actors[:2], second) == [3.0, 3.0]
+        assert group_sums(rank_actors[:2], second) == [3.0, 3.0]
     finally:
         raycoll.destroy_group(second)
 
@@ -125,7 +114,7 @@ def test_a_failed_group_s_coordinator_is_ended_not_recycled(ray_local):
         else:
             pytest.fail("the failed group's coordinator is still alive a minute after destroy")
         # the other group, whose coordinator is another process, is untouched
-        assert _sums(team[:1], other) == [1.0]
+        assert group_sums(team[:1], other) == [1.0]
     finally:
         raycoll.destroy_group(other)
         ray.kill(team[0], no_restart=True)
