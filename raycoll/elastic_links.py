@@ -26,6 +26,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from raycoll.transport.native_tcp import NativeSockets
+
 __all__ = ["Offer", "offer", "settle", "adopt", "discard"]
 
 #: The purpose of the connections kept: the native data plane's (the others are made again).
@@ -48,11 +50,10 @@ def offer(pg: Any, peers: Sequence[int], take: bool) -> Offer:
     number; ``take``: take them out of the old links now (the old group is closed next)."""
     transports = pg.context._transports
     links = getattr(transports, "links", None)
-    plane = pg.context._plane
-    native = getattr(plane, "native", None) if plane else None
+    plane = pg.context._plane  # the native sockets (NativeSockets), where the group has them
     whole: List[Tuple[str, int]] = []
-    if links is not None and native is not None and not getattr(plane, "_poisoned", False):
-        whole = links.whole(PURPOSE, peers, native.whole)
+    if links is not None and isinstance(plane, NativeSockets) and not plane._poisoned:
+        whole = links.whole(PURPOSE, peers, plane.whole)
     result = Offer({"old": pg.rank(), "seq": pg._seq, "whole": whole}, links)
     if take and whole and links is not None:
         result.conns = links.hand_over(PURPOSE, whole)
