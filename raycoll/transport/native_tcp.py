@@ -47,8 +47,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["NativeSockets", "SPIN_S"]
 
 #: How long a wait on the sockets spins (non-blocking reads) before it polls, where the
-#: group's ranks on this machine fit its cores.
-SPIN_S = 50e-6
+#: group's ranks on this machine fit its cores: as long as the segment's and the pipes', so
+#: that a rank leaving a barrier a little after its peer is still met spinning (the waits
+#: back off where spins keep running out: :class:`~raycoll.transport.base.SpinBackoff`).
+SPIN_S = 200e-6
 #: The most plans a rank keeps.
 _CACHE = 64
 
