@@ -111,6 +111,17 @@ class SpinBackoff:
         self._backoff = SPIN_BACKOFF_CALLS
         self._failed_at = -SPIN_BACKOFF_MAX_CALLS
         self._run = 0  # collectives in a row whose spin ran out
+        self._seen: Dict[Any, int] = {}  # the core's counts of spins run out, as last read
+
+    def counted(self, calls: int, fails: int, key: Any = None) -> bool:
+        """After a native wait: ``fails`` is the core's count of waits whose spin ran out
+        (``key``: whose count, e.g. a pipe's peer); a change since the last look is a spin of
+        collective number ``calls`` that ran out (:meth:`spun_out`). Whether it changed."""
+        if fails == self._seen.get(key, 0):
+            return False
+        self._seen[key] = fails
+        self.spun_out(calls)
+        return True
 
     def spun_out(self, calls: int) -> None:
         """A spin of collective number ``calls`` ran its whole length."""

@@ -93,7 +93,6 @@ class NativeSockets(NativeTransport):
         #: a loop that computes between calls), counted by the core per peer (``spin_fails``)
         self._backoff = SpinBackoff(bool(spin))
         self._runs = 0
-        self._spin_fails = 0
         #: The descriptors above are this object's own (dups of the links' sockets): closing
         #: the group closes them only once no run uses them (a run in flight ends first: the
         #: links' close shuts the sockets under it), so a number the core holds is never one
@@ -341,10 +340,7 @@ class NativeSockets(NativeTransport):
             self._waiting = None
             self._runs += 1
         if spinning:
-            fails = int(self.conns["spin_fails"].sum())
-            if fails != self._spin_fails:
-                self._spin_fails = fails
-                self._backoff.spun_out(self._runs)
+            self._backoff.counted(self._runs, int(self.conns["spin_fails"].sum()))
         if status:
             got = (node.failed(self.ctx, self, call, status, peer)
                    if node is not None and node.seg is not None and not self._fds_closed else None)

@@ -125,7 +125,6 @@ class PairPipes:
         #: spins that keep running out (the peer descheduled: a loaded node) stop for a while
         self._backoff = SpinBackoff(bool(self.spin_ns))
         self._waits = 0
-        self._spin_fails: Dict[int, int] = {}
         self._lock = threading.Lock()
         self._pipes: Dict[int, Any] = {}
         self._outs: Dict[int, _Out] = {}
@@ -196,10 +195,7 @@ class PairPipes:
     def _spun(self, peer: int, pipe: Any) -> None:
         """After a native wait on ``pipe``: a spin that ran its whole length counts toward
         backing off (:class:`raycoll.transport.base.SpinBackoff`)."""
-        fails = pipe.spin_fails
-        if fails != self._spin_fails.get(peer, 0):
-            self._spin_fails[peer] = fails
-            self._backoff.spun_out(self._waits)
+        self._backoff.counted(self._waits, pipe.spin_fails, peer)
 
     def _timed_out(self, message: str, peers: Sequence[int]) -> BaseException:
         return errors.DistTimeoutError(message, missing=[self.global_ranks[p] for p in peers],

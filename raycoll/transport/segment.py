@@ -222,7 +222,6 @@ class SegmentLane(NativeTransport):
         self._spinning, self._no_spin = wait_policy(self._spin_ns), wait_policy(0)
         self._policy = self._spinning if self._spin_ns else self._no_spin
         self._backoff = SpinBackoff(bool(self._spin_ns))
-        self._spin_fails = 0
         self._report_every = REPORT_EVERY_S * ctx.size  # the node's ranks together: one a period
         self._report_due = 0.0
         #: the all_reduce short path's plans and fingerprints, by (dtype, shape, op)
@@ -255,19 +254,14 @@ class SegmentLane(NativeTransport):
         self._done = (call.op, call.seq)
         if first:
             self.calls += 1
-        if self.seg.spin_fails != self._spin_fails:
-            self._spun_out()
+        if self._backoff.counted(self.calls, self.seg.spin_fails):
+            if not self._backoff.on:
+                self._policy = self._no_spin
         elif self._policy is self._no_spin and self._backoff.enabled \
                 and self._backoff.spinning(self.calls):
             self._policy = self._spinning
         if self._report_timer is None or time.monotonic() >= self._report_due:
             self.report()
-
-    def _spun_out(self) -> None:
-        self._spin_fails = self.seg.spin_fails
-        self._backoff.spun_out(self.calls)
-        if not self._backoff.on:
-            self._policy = self._no_spin
 
     @property
     def spins_failed(self) -> int:
