@@ -38,6 +38,7 @@ from ray.actor import ActorHandle
 from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.coordinator.hosting import Hosted
 from raycoll.process_group import GroupSpec
 from raycoll.transport.links import listener
 from raycoll.world import install_root_group
@@ -70,23 +71,29 @@ def _info(actor_self: Any) -> Dict[str, Any]:
 
 
 def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, Any]], int]],
-             secret: bytes) -> List[Any]:
+             secret: bytes, host: Optional[ActorHandle] = None) -> List[Any]:
     """Runs inside a rank: install each group ``(spec, rank, roster, generation)`` and take
     this rank's lease on its coordinator (a call that stays pending while the rank is a
-    member; the driver hands its reference to the coordinator, ``watch_ranks``). Each
-    group's outcome: ``[lease reference]`` (installed), or the exception; :class:`Stale` for
-    all if the rosters' entry of this rank is not this process's."""
+    member; the driver hands its reference to the coordinator, ``watch_ranks``), or one
+    lease on ``host`` for all of them where one process hosts their coordinators
+    (:mod:`raycoll.coordinator.hosting`). Each group's outcome: ``[lease reference]``
+    (installed), or the exception; :class:`Stale` for all if the rosters' entry of this
+    rank is not this process's."""
     mine = _info(actor_self)
-    spec, rank, roster, _ = items[0]
+    spec, rank, roster, generation = items[0]
     entry = roster[rank]
     if any(entry.get(k) != mine.get(k) for k in _SAME):
         return [Stale(f"rank {rank}: the driver's info of this actor is stale (its process "
                       f"changed: {entry.get('proc')!r} -> {mine.get('proc')!r})")] * len(items)
+    shared = [host.lease_hosted.remote(rank, generation)] if host is not None else None
     outcomes: List[Any] = []
     for spec, rank, roster, generation in items:
         try:
             client = CoordinatorClient(spec.coordinator, spec.name)
-            lease = client.take_lease(rank, generation)  # in a list: travels as a reference
+            if shared is None:
+                lease = client.take_lease(rank, generation)  # in a list: travels as a reference
+            else:
+                client.lease, lease = shared[0], shared
             install_root_group(spec, rank, client, {"members": roster, "generation": generation,
                                                     "secret": secret},
                                backend_config(spec.backend), lease=False)
@@ -136,10 +143,15 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
     infos = _infos(actors, now, label, group, deadline)
     roster = [dict(info, rank=r) for r, info in enumerate(infos)]
     secret = secrets.token_bytes(16)  # for direct connections (transport.links)
+    host = specs[0].coordinator.host if isinstance(specs[0].coordinator, Hosted) else None
     clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
-    formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
+    if host is not None:  # one process hosts every group's coordinator: one call forms them
+        formed = [host.form_hosted.remote([s.name for s in specs], roster, secret,
+                                          generations[0])]
+    else:
+        formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
     refs = [submit(a, rank, group, _install, [(s, rank, roster, g)
-                                               for s, g in zip(specs, generations)], secret)
+                                               for s, g in zip(specs, generations)], secret, host)
             for rank, a in enumerate(actors)]
     outcomes = _gather(refs, list(range(len(actors))), actors, label, group, deadline)
     stale = [r for r, out in enumerate(outcomes) if out and isinstance(out[0], Stale)]
@@ -150,8 +162,11 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
         for outcome in out:
             if isinstance(outcome, BaseException):
                 raise outcome
-    for g, (client, generation) in enumerate(zip(clients, generations)):  # not waited for
-        client.submit_watch_ranks(generation, [out[g] for out in outcomes])
+    if host is not None:  # not waited for
+        host.watch_hosted.remote(generations[0], [out[0] for out in outcomes])
+    else:
+        for g, (client, generation) in enumerate(zip(clients, generations)):
+            client.submit_watch_ranks(generation, [out[g] for out in outcomes])
     for spec, ref in zip(specs, formed):  # (a coordinator started now may still be starting)
         try:
             answer = ray.get(ref, timeout=max(deadline - time.monotonic(), _GRACE_S))
@@ -162,7 +177,7 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
         if answer[0] != "ok":
             raise errors.CoordinatorDiedError(
                 f"{label}: the coordinator of group {spec.name!r} refused the group: "
-                f"{answer[1]}", group=spec.name)
+                f"{answer[2]}", group=spec.name)
 
 
 def submit(actor: ActorHandle, rank: int, group: str, fn: Any, *args: Any) -> Any:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import ray
 from ray.actor import ActorHandle
@@ -29,6 +30,7 @@ from raycoll import errors, formation, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, spare
+from raycoll.coordinator.hosting import Hosted
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.world import world
 from raycoll.options import GroupOptions, OptionsLike
@@ -43,10 +45,42 @@ _TEARDOWN_S = 10.0
 
 
 @dataclass
+class _Host:
+    """The coordinator process hosting the groups of one ``create_groups`` call
+    (:mod:`raycoll.coordinator.hosting`): back in the pool when its last group is destroyed
+    and every one ended cleanly (all ranks left, nothing pending, no failure), else ended."""
+
+    coordinator: spare.Spare
+    remaining: Set[int]
+    clean: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def end(self, index: int, left: bool, now: Optional[session.SessionKey]) -> None:
+        """Group ``index``'s coordinator ends (its group was destroyed; ``left``: every rank
+        left it); the process with the last one."""
+        clean = False
+        handle = self.coordinator.handle
+        try:
+            clean = bool(CoordinatorClient(handle, "").wait(
+                handle.end_hosted.remote(index), _TEARDOWN_S, op="destroy_group")["clean"])
+        except Exception as exc:  # noqa: BLE001 - dead or gone: the process is ended below
+            logger.debug("raycoll: ending hosted coordinator %d failed: %s", index, exc)
+        with self.lock:
+            self.remaining.discard(index)
+            self.clean = self.clean and clean and left
+            last, clean = not self.remaining, self.clean
+        if last and clean:
+            spare.recycle(handle, self.coordinator.name, now)
+        elif last:
+            _kill(handle)
+
+
+@dataclass
 class _DriverGroup:
     spec: GroupSpec
     actors: List[ActorHandle]
     coordinator: Optional[spare.Spare] = None  # recycled when the group is destroyed
+    host: Optional[_Host] = None  # the process its coordinator is hosted in, if shared
 
 
 #: The groups this process formed, by name, each of the Ray session it was formed in (read by
@@ -103,36 +137,52 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
 def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Optional[str],
                 seconds: float, group_options: GroupOptions, now: session.SessionKey,
                 label: str) -> List[_DriverGroup]:
-    """Form root groups ``names`` over ``actors``, each with a coordinator of its own (taken
-    idle, or started), by their driver (:mod:`raycoll.formation`); all or none: on any
-    failure every group is undone (ranks told to leave, names freed, coordinators ended)
-    and the failure raised. Forms again once if a rank's kept info was stale."""
+    """Form root groups ``names`` over ``actors``, by their driver (:mod:`raycoll.formation`):
+    one group's coordinator taken idle (or started); several groups' coordinators hosted in
+    one such process (:mod:`raycoll.coordinator.hosting`). All or none: on any failure every
+    group is undone (ranks told to leave, names freed, coordinators ended) and the failure
+    raised. Forms again once if a rank's kept info was stale."""
     for attempt in (0, 1):
-        taken: List[spare.Spare] = []
+        host = spare.take(now) if len(names) > 1 else None
+        taken: List[spare.Spare] = [host] if host is not None else []
         specs: List[GroupSpec] = []
+        submitted = False
         try:
-            for name in names:
-                coordinator = spare.take(now)  # idle (started ahead, recycled), or started
-                if not spare.claim(now[1], name, coordinator):
-                    spare.put_back(coordinator, now)
+            for index, name in enumerate(names, 1):
+                coordinator = host or spare.take(now)  # idle (started ahead, recycled), or started
+                if not spare.claim(now[1], name, coordinator, index if host else 0):
+                    if host is None:
+                        spare.put_back(coordinator, now)
                     raise ValueError(f"group {name!r} already exists in this job")
-                taken.append(coordinator)
-                specs.append(GroupSpec(name, len(actors), backend, seconds, coordinator.handle,
-                                       group_options))
-            formation.form(actors, specs, [c.generation for c in taken], label)
-            return [_DriverGroup(spec, list(actors), c) for spec, c in zip(specs, taken)]
+                if host is None:
+                    taken.append(coordinator)
+                specs.append(GroupSpec(name, len(actors), backend, seconds,
+                                       Hosted(coordinator.handle, index) if host
+                                       else coordinator.handle, group_options))
+            submitted = True
+            generations = [c.generation for c in taken] * (len(specs) // len(taken))
+            formation.form(actors, specs, generations, label)
         except BaseException as exc:
             for actor in actors if specs else []:
                 try:  # a rank that installed a group forgets it (after its install call)
                     actor.__ray_call__.remote(_undo, [s.name for s in specs])
                 except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
                     pass
-            for name, coordinator in zip(names, taken):
-                spare.unclaim(now[1], name)
-                _kill(coordinator.handle)
+            for spec in specs:
+                spare.unclaim(now[1], spec.name)
+            for coordinator in taken:  # (unused by any rank unless the formation was sent)
+                if submitted:
+                    _kill(coordinator.handle)
+                else:
+                    spare.put_back(coordinator, now)
             if not isinstance(exc, formation.Stale) or attempt:
                 raise
             logger.debug("raycoll: %s: %s; forming again", label, exc)
+            continue
+        if host is None:
+            return [_DriverGroup(spec, list(actors), c) for spec, c in zip(specs, taken)]
+        shared = _Host(host, set(range(1, len(names) + 1)))
+        return [_DriverGroup(spec, list(actors), None, shared) for spec in specs]
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -203,7 +253,9 @@ def destroy_group(group_name: str = "default") -> None:
         left = len(done) == len(entry.actors) and _all_ok(done)
     if now is not None:  # the group's name is free again at once (its coordinator's
         spare.unclaim(now[1], group_name)  # own name is unique)
-    if entry.coordinator is not None and left:  # every rank left: the next group's
+    if entry.host is not None:  # hosted with the groups it was formed with
+        entry.host.end(entry.spec.coordinator.index, left, now)
+    elif entry.coordinator is not None and left:  # every rank left: the next group's
         spare.recycle(entry.coordinator.handle, entry.coordinator.name, now)
     elif entry.spec.coordinator is not None:
         _kill(entry.spec.coordinator)

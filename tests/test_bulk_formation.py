@@ -1,5 +1,6 @@
 """Several root groups formed at once over the same actors (``raycoll.create_groups``): each
-group works and fails on its own, its coordinator its own; all or none form."""
+group works and fails on its own, with a coordinator of its own hosted in one process
+(:mod:`raycoll.coordinator.hosting`); all or none form."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import ray
 
 import raycoll
 from raycoll import errors, session
+from raycoll.coordinator import spare
+from raycoll.coordinator.hosting import Hosted
 from raycoll.launch import DRIVER_GROUPS, RankWorker, _abort
 
 
@@ -44,9 +47,10 @@ def test_groups_formed_at_once_each_work_with_a_coordinator_of_their_own(team):
     names = _names(3)
     raycoll.create_groups(team, names, timeout=60)
     try:
-        coordinators = {DRIVER_GROUPS.get(n, session.current()).spec.coordinator._actor_id
-                        for n in names}
-        assert len(coordinators) == 3, "groups formed at once share a coordinator"
+        coordinators = [DRIVER_GROUPS.get(n, session.current()).spec.coordinator for n in names]
+        assert all(isinstance(c, Hosted) for c in coordinators)
+        assert len({c.host._actor_id for c in coordinators}) == 1, "one process hosts them"
+        assert sorted(c.index for c in coordinators) == [1, 2, 3], "a coordinator each"
         for i, name in enumerate(names):  # each group reduces its own values
             assert _sums(team, name, scale=i + 1.0) == [6.0 * (i + 1)] * 3
         raycoll.destroy_group(names[0])  # one destroyed: the others go on, its name reforms
@@ -109,3 +113,58 @@ def test_bad_arguments_are_refused_before_anything_starts(team):
         raycoll.create_groups(team, ["ok", "b/c"])
     with pytest.raises(TypeError, match=r"actors\[0\]"):
         raycoll.create_groups(["x"], ["a"])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_after_forming_fails_every_hosted_group(team):
+    names = _names(2)
+    raycoll.create_groups(team[:2], names, timeout=60)
+    try:
+        assert _sums(team[:2], names[0]) == [3.0, 3.0]
+        ray.kill(team[1], no_restart=True)  # its one lease on the host fails: both groups hear
+        for name in names:
+            with pytest.raises(errors.RankFailedError) as info:
+                ray.get(team[0].run.remote(_sum, 0, (name, 1.0), {}), timeout=60)
+            assert list(info.value.failed_ranks) == [1]
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_the_host_goes_back_to_the_pool_with_its_last_group_only(team):
+    names = _names(2)
+    raycoll.create_groups(team, names, timeout=60)
+    host = DRIVER_GROUPS.get(names[0], session.current()).spec.coordinator.host
+    raycoll.destroy_group(names[1])  # the other group keeps its coordinator, in the host
+    assert _sums(team, names[0]) == [6.0] * 3
+    recycled = spare.counts()["recycled"]
+    raycoll.destroy_group(names[0])
+    assert spare.counts()["recycled"] == recycled + 1, "the host was not recycled"
+    assert spare.pending().handle._actor_id == host._actor_id
+    name = _names(1)[0]  # the recycled host serves the next group as a coordinator of its own
+    raycoll.create_group(team, group_name=name)
+    try:
+        assert _sums(team, name, scale=3.0) == [18.0] * 3
+    finally:
+        raycoll.destroy_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_a_hosted_group_is_found_by_name_and_refuses_strangers(team):
+    names = _names(2)
+    raycoll.create_groups(team[:2], names, timeout=60)
+    try:
+        status = raycoll.group_status(names[1])  # from the driver, through the name's claim
+        assert status["world_size"] == 2
+        job = ray.get_runtime_context().get_job_id()
+        assert isinstance(spare.claimed(job, names[1]), Hosted)
+
+        def stranger(rank: int, name: str) -> None:
+            raycoll.init_process_group(world_size=2, rank=1, group_name=name, timeout=5)
+
+        with pytest.raises(ValueError, match="twice"):
+            ray.get(team[2].run.remote(stranger, 0, (names[1],), {}), timeout=60)
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)

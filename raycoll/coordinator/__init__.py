@@ -21,7 +21,8 @@ The package, by concern:
   :mod:`.liveness` (leases, probes, rank death).
 - :mod:`.client`: :class:`CoordinatorClient`, one typed method per RPC, every wait bounded.
 - :mod:`.spare`: the coordinator a driver keeps started ahead for its next group, and the
-  group names of the job.
+  group names of the job; :mod:`.hosting`: the coordinators of one ``create_groups`` call's
+  groups, hosted in one process.
 """
 
 from raycoll.coordinator.actor import Coordinator, start_coordinator

@@ -21,6 +21,7 @@ import ray
 
 from raycoll import errors
 from raycoll.coordinator.elastic import ElasticMixin
+from raycoll.coordinator.hosting import HostingMixin
 from raycoll.coordinator.join_state import JoinMixin
 from raycoll.coordinator.client import unpack_handle
 from raycoll.coordinator.liveness import REPROBE_S, LivenessMixin
@@ -33,7 +34,7 @@ from raycoll.coordinator.transports import TransportMixin
 
 
 class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixin, LivenessMixin,
-                  ElasticMixin):
+                  ElasticMixin, HostingMixin):
     """The coordinator actor's class. Create it with :func:`start_coordinator`."""
 
     # ------------------------------------------------------------------ rendezvous
@@ -236,7 +237,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         never serves another group."""
         busy = (self._steps or self._dead or self._broken or self._store_waiters
                 or any(self._waiting.values()) or any(not t.done() for t in self._probes.values())
-                or self._owned_by_ranks or self._joiners)
+                or self._owned_by_ranks or self._joiners or self._hosted)
         if busy:
             return ok({"recycled": False})
         generation = self._generation + 1
@@ -263,7 +264,7 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         this coordinator serves no group yet (started ahead or recycled) at ``generation``
         (the one its driver was told): it never takes over a group another formed."""
         if (self._group_name or self._members or self._owned_by_ranks or self._dead
-                or generation != self._generation):
+                or self._hosted or generation != self._generation):
             return err("value", f"coordinator of generation {self._generation} serving "
                        f"{self._group_name!r} cannot form group {group_name!r} (generation "
                        f"{generation} expected, no group yet)")

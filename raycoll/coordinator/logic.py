@@ -61,6 +61,7 @@ ERRORS = {
     "rank_failed": errors.RankFailedError,
     "aborted": errors.GroupBrokenError,
     "protocol": errors.CollectiveError,
+    "gone": errors.CoordinatorDiedError,
 }
 
 

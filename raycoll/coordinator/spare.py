@@ -55,6 +55,7 @@ import ray
 from raycoll import errors, session
 from raycoll.coordinator.actor import _RemoteCoordinator, _here
 from raycoll.coordinator.client import CoordinatorClient
+from raycoll.coordinator.hosting import Hosted
 from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
@@ -67,6 +68,7 @@ ENV = "RAYCOLL_SPARE_COORDINATOR"
 
 #: The key-value store's namespace for group names.
 _NAMESPACE = "raycoll"
+_HOSTED = "#"  # a claim's value: the coordinator's Ray name, and "#<index>" for a hosted one
 _PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, in the order made idle
 _SEQ = itertools.count()
 #: The most idle coordinators a process keeps: those recycled by destroyed groups beyond it
@@ -233,19 +235,21 @@ def _alive(actor_name: str) -> bool:
         return False
 
 
-def claim(job: str, group_name: str, spare: Spare) -> bool:
-    """Record ``spare`` as the coordinator of ``group_name`` in job ``job``; False if the
-    name is taken (a live coordinator of that name, from any process of the job)."""
+def claim(job: str, group_name: str, spare: Spare, index: int = 0) -> bool:
+    """Record ``spare`` as the coordinator of ``group_name`` in job ``job`` (``index``: the
+    group's coordinator hosted in it, :mod:`.hosting`; 0: the coordinator itself); False if
+    the name is taken (a live coordinator of that name, from any process of the job)."""
     key = coordinator_name(job, group_name)
     if _alive(key):  # a coordinator started by name (init_process_group in actors)
         return False
     kv = _kv()
-    if not kv._internal_kv_put(key, spare.name, overwrite=False, namespace=_NAMESPACE):
+    value = f"{spare.name}{_HOSTED}{index}" if index else spare.name
+    if not kv._internal_kv_put(key, value, overwrite=False, namespace=_NAMESPACE):
         return True
     held = kv._internal_kv_get(key, namespace=_NAMESPACE)
-    if held is not None and _alive(held.decode()):
+    if held is not None and _alive(held.decode().partition(_HOSTED)[0]):
         return False
-    kv._internal_kv_put(key, spare.name, overwrite=True, namespace=_NAMESPACE)  # stale: free
+    kv._internal_kv_put(key, value, overwrite=True, namespace=_NAMESPACE)  # stale: free
     return True
 
 
@@ -276,7 +280,9 @@ def claimed(job: str, group_name: str) -> Optional[Any]:
         return None
     if held is None:
         return None
+    name, _, index = held.decode().partition(_HOSTED)
     try:
-        return ray.get_actor(held.decode())
+        handle = ray.get_actor(name)
     except ValueError:
         return None
+    return Hosted(handle, int(index)) if index else handle

@@ -136,6 +136,9 @@ class CoordinatorState:
         # forming member's (token, reference) until the group forms
         self._token_leases: Dict[str, "asyncio.Future[None]"] = {}
         self._pending_leases: Dict[int, Tuple[str, Any]] = {}
+        # the groups' coordinators this one hosts, by index (.hosting: a create_groups call's)
+        self._hosted: Dict[int, Any] = {}
+        self._hosting = asyncio.Event()  # set once form_hosted made them
 
     if TYPE_CHECKING:  # provided by one concern, called by another
         def leave(self, rank: int) -> Result: ...
