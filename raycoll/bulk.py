@@ -2,14 +2,13 @@
 
 :func:`create_groups` is :func:`raycoll.create_group` for many names in one call (a "dp" and a
 "tp" group, or one group per pipeline stage, over the same actors). Each group is a root
-group of its own, with its own coordinator (so its own failures: a rank that dies fails the
-calls of every group it is in, a group's error never touches another group's calls), but
-the driver forms them all in one round (:mod:`raycoll.formation`): one call per actor
-installs every group (each rank's info fetched once, and kept), one call per coordinator
-gives it its group's roster. Nothing waits on a coordinator; eight groups over eight actors
-still cost 3-4 times one group on a loaded 2-core machine (eight coordinators, each taking its
-roster and every rank's lease: benchmarks/BENCHMARKS.md).
-"""
+group of its own, with a coordinator of its own (so its own failures: a rank that dies fails
+the calls of every group it is in, a group's error never touches another group's calls). The
+groups' coordinators live in one process (:mod:`raycoll.coordinator.hosting`), and the driver
+forms them all in one round (:mod:`raycoll.formation`): one call per actor installs every
+group and takes one lease for all of them, one call gives the process every group's roster.
+Eight groups over eight actors cost under twice one group's time (benchmarks/BENCHMARKS.md,
+"Groups formed by their driver")."""
 
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ def create_groups(actors: Sequence[ActorHandle], group_names: Sequence[str],
     All or none: if any group cannot form (a dead actor, a timeout, a name taken), none is
     kept and the first failure is raised, as ``create_group`` raises it. Once formed, every
     group is independent: destroy them one by one with :func:`~raycoll.destroy_group`; a
-    group's collectives, errors and coordinator are its own. ``backend``, ``timeout`` and
+    group's collectives, errors and coordinator are its own (the coordinators share one
+    process, which goes when the last group is destroyed). ``backend``, ``timeout`` and
     ``options`` apply to every group, as ``create_group``'s.
     """
     _check_actors(actors)

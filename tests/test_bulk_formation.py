@@ -168,3 +168,37 @@ def test_a_hosted_group_is_found_by_name_and_refuses_strangers(team):
     finally:
         for name in names:
             raycoll.destroy_group(name)
+
+
+def _shrink_sum(rank: int, name: str, excluded: List[int]) -> List[float]:
+    pg = raycoll.shrink_group(excluded, group=raycoll.get_group(name))
+    x = np.full(2, pg.rank() + 1.0)
+    raycoll.all_reduce(x, group=pg)
+    return [float(pg.size()), float(x[0])]
+
+
+def _admit(rank: int, name: str) -> int:
+    return raycoll.admit_new_ranks(group=raycoll.get_group(name), timeout=60).size()
+
+
+@pytest.mark.timeout(120)
+def test_after_a_death_one_hosted_group_shrinks_and_grows_the_other_stays_broken(team):
+    names = _names(2)
+    raycoll.create_groups(team, names, timeout=60)
+    extra = ray.remote(RankWorker).options(num_cpus=0).remote()
+    try:
+        ray.kill(team[2], no_restart=True)
+        survivors = team[:2]
+        shrunk = ray.get([a.run.remote(_shrink_sum, r, (names[0], [2]), {})
+                          for r, a in enumerate(survivors)], timeout=60)
+        assert shrunk == [[2.0, 3.0]] * 2  # a new generation of its hosted coordinator
+        with pytest.raises(errors.RankFailedError):
+            ray.get(survivors[0].run.remote(_sum, 0, (names[1], 1.0), {}), timeout=60)
+        refs = [a.run.remote(_admit, r, (names[0],), {}) for r, a in enumerate(survivors)]
+        raycoll.grow_group(names[0], [extra], timeout=60)
+        assert ray.get(refs, timeout=60) == [3, 3]
+        assert _sums(survivors + [extra], names[0]) == [6.0] * 3
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)
+        ray.kill(extra, no_restart=True)

@@ -9,7 +9,9 @@ and :func:`refill` starts the next one,
 which Ray brings up in the background while the caller goes on. A process's first group
 starts its coordinator then (there is no spare yet), unless :func:`refill` ran earlier (the
 Ray Train backend calls it as soon as it reaches its controller). Each coordinator still
-serves one root group at a time: its state, and its failures, are that group's alone.
+serves one root group at a time: its state, and its failures, are that group's alone; or
+it hosts the coordinators of one :func:`raycoll.create_groups` call's groups, each with
+tables of its own (:mod:`.hosting`), and is idle again once the last of them is destroyed.
 
 **Recycling.** Groups formed back to back (a notebook's cells, a test suite, a "dp" and a "tp"
 group in a row) would each wait for the coordinator the last one started. So when a group
