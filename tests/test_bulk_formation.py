@@ -5,7 +5,8 @@ group works and fails on its own, with a coordinator of its own hosted in one pr
 from __future__ import annotations
 
 import uuid
-from typing import Any, List
+from contextlib import contextmanager
+from typing import Any, Iterator, List
 
 import numpy as np
 import pytest
@@ -33,6 +34,18 @@ def _names(count: int) -> List[str]:
     return [f"bk{i}-{uuid.uuid4().hex[:6]}" for i in range(count)]
 
 
+@contextmanager
+def _groups(actors: List[Any], count: int) -> Iterator[List[str]]:
+    """``count`` groups formed over ``actors`` in one ``create_groups`` call, destroyed after."""
+    names = _names(count)
+    raycoll.create_groups(actors, names, timeout=60)
+    try:
+        yield names
+    finally:
+        for name in names:
+            raycoll.destroy_group(name)
+
+
 @pytest.fixture()
 def team(ray_local):
     """Three zero-CPU sync actors (one method at a time: one join call each takes them all)."""
@@ -44,9 +57,7 @@ def team(ray_local):
 
 @pytest.mark.timeout(120)
 def test_groups_formed_at_once_each_work_with_a_coordinator_of_their_own(team):
-    names = _names(3)
-    raycoll.create_groups(team, names, timeout=60)
-    try:
+    with _groups(team, 3) as names:
         coordinators = [DRIVER_GROUPS.get(n, session.current()).spec.coordinator for n in names]
         assert all(isinstance(c, Hosted) for c in coordinators)
         assert len({c.host._actor_id for c in coordinators}) == 1, "one process hosts them"
@@ -57,23 +68,15 @@ def test_groups_formed_at_once_each_work_with_a_coordinator_of_their_own(team):
         assert _sums(team, names[1]) == [6.0] * 3
         raycoll.create_group(team[:2], group_name=names[0])
         assert _sums(team[:2], names[0]) == [3.0, 3.0]
-    finally:
-        for name in names:
-            raycoll.destroy_group(name)
 
 
 @pytest.mark.timeout(120)
 def test_one_group_s_failure_does_not_touch_the_others(team):
-    names = _names(2)
-    raycoll.create_groups(team, names, timeout=60)
-    try:
+    with _groups(team, 2) as names:
         _abort(names[0], "the test aborts it")
         with pytest.raises(errors.RaycollError):
             _sums(team, names[0])
         assert _sums(team, names[1], scale=2.0) == [12.0] * 3
-    finally:
-        for name in names:
-            raycoll.destroy_group(name)
 
 
 @pytest.mark.timeout(120)
@@ -117,18 +120,13 @@ def test_bad_arguments_are_refused_before_anything_starts(team):
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_after_forming_fails_every_hosted_group(team):
-    names = _names(2)
-    raycoll.create_groups(team[:2], names, timeout=60)
-    try:
+    with _groups(team[:2], 2) as names:
         assert _sums(team[:2], names[0]) == [3.0, 3.0]
         ray.kill(team[1], no_restart=True)  # its one lease on the host fails: both groups hear
         for name in names:
             with pytest.raises(errors.RankFailedError) as info:
                 ray.get(team[0].run.remote(_sum, 0, (name, 1.0), {}), timeout=60)
             assert list(info.value.failed_ranks) == [1]
-    finally:
-        for name in names:
-            raycoll.destroy_group(name)
 
 
 @pytest.mark.timeout(120)
@@ -152,9 +150,7 @@ def test_the_host_goes_back_to_the_pool_with_its_last_group_only(team):
 
 @pytest.mark.timeout(120)
 def test_a_hosted_group_is_found_by_name_and_refuses_strangers(team):
-    names = _names(2)
-    raycoll.create_groups(team[:2], names, timeout=60)
-    try:
+    with _groups(team[:2], 2) as names:
         status = raycoll.group_status(names[1])  # from the driver, through the name's claim
         assert status["world_size"] == 2
         job = ray.get_runtime_context().get_job_id()
@@ -165,9 +161,6 @@ def test_a_hosted_group_is_found_by_name_and_refuses_strangers(team):
 
         with pytest.raises(ValueError, match="twice"):
             ray.get(team[2].run.remote(stranger, 0, (names[1],), {}), timeout=60)
-    finally:
-        for name in names:
-            raycoll.destroy_group(name)
 
 
 def _shrink_sum(rank: int, name: str, excluded: List[int]) -> List[float]:
