@@ -75,9 +75,9 @@ _PREFIX = "idle-"  # the idle coordinators of a session, in _SPARES, in the orde
 _SEQ = itertools.count()
 #: The most idle coordinators a process keeps: those recycled by destroyed groups beyond it
 #: are ended (a coordinator is a process: ~60 MB). Above the 8 groups a driver commonly forms
-#: at once (:func:`raycoll.create_groups`), so that forming them again starts no process: a
-#: bulk that empties the pool has :func:`refill` start one more, and a pool of exactly the
-#: bulk's size then ended one at every destroy and started one at every formation (a Ray
+#: at once from as many threads (one :func:`raycoll.create_groups` call takes one process for
+#: all its groups), so that forming them again starts no process: a pool of exactly the
+#: groups' number ended one at every destroy and started one at every formation (a Ray
 #: worker's start, 0.5-1 s of the 2 cores, under the next formation).
 POOL_MAX = 16
 
