@@ -110,25 +110,26 @@ def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Op
     for attempt in (0, 1):
         taken: List[spare.Spare] = []
         specs: List[GroupSpec] = []
+        claimed: List[str] = []  # the names recorded (spare.claim) while the ranks install
         try:
             for name in names:
                 coordinator = spare.take(now)  # idle (started ahead, recycled), or started
-                if not spare.claim(now[1], name, coordinator):
-                    spare.put_back(coordinator, now)
-                    raise ValueError(f"group {name!r} already exists in this job")
                 taken.append(coordinator)
                 specs.append(GroupSpec(name, len(actors), backend, seconds, coordinator.handle,
                                        group_options))
-            formation.form(actors, specs, [c.generation for c in taken], label)
+            formation.form(actors, specs, [c.generation for c in taken], label,
+                           claim=lambda: _claim(now, names, taken, claimed))
             return [_DriverGroup(spec, list(actors), c) for spec, c in zip(specs, taken)]
         except BaseException as exc:
+            ours = [c.handle._actor_id.binary() for c in taken]
             for actor in actors if specs else []:
                 try:  # a rank that installed a group forgets it (after its install call)
-                    actor.__ray_call__.remote(_undo, [s.name for s in specs])
+                    actor.__ray_call__.remote(_undo, [s.name for s in specs], ours)
                 except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
                     pass
-            for name, coordinator in zip(names, taken):
+            for name in claimed:
                 spare.unclaim(now[1], name)
+            for coordinator in taken:
                 _kill(coordinator.handle)
             if not isinstance(exc, formation.Stale) or attempt:
                 raise
@@ -136,11 +137,33 @@ def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Op
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _undo(actor_self: Any, names: List[str]) -> None:
-    """Runs inside each actor: forget the groups of a formation that failed, if installed."""
+def _claim(now: session.SessionKey, names: Sequence[str], taken: List[spare.Spare],
+           claimed: List[str]) -> None:
+    """Record each group's name for its coordinator (:func:`spare.claim`), in ``claimed``;
+    ``ValueError`` at the first name taken in this job (by another process's group, or a
+    group its ranks formed by name). :func:`formation.form` calls it while the ranks
+    install: its GCS calls then cost the formation nothing."""
+    for name, coordinator in zip(names, taken):
+        if not spare.claim(now[1], name, coordinator):
+            raise ValueError(f"group {name!r} already exists in this job")
+        claimed.append(name)
+
+
+def _undo(actor_self: Any, names: List[str],
+          coordinators: Optional[List[bytes]] = None) -> None:
+    """Runs inside each actor: forget the groups of a formation that failed, if installed
+    (with ``coordinators``, the formation's coordinators' actor ids: only a group installed
+    with one of them, not a group of the same name the actor had before, e.g. formed by
+    name)."""
     for name in names:
-        if name in world().groups:
-            world().remove(name, "the group's formation failed")
+        pg = world().groups.get(name)
+        if pg is None:
+            continue
+        if coordinators is not None:
+            handle = pg.client.handle
+            if handle is None or handle._actor_id.binary() not in coordinators:
+                continue
+        world().remove(name, "the group's formation failed")
 
 
 def _check_actors(actors: Sequence[ActorHandle]) -> None:

@@ -1,6 +1,6 @@
 """Root groups formed by their driver (raycoll/formation.py): the roster gathered by the driver
-(rank infos kept per actor), the ranks' leases handed to the coordinator by the driver, a
-restarted actor's stale info, actors that can never be scheduled."""
+(rank infos kept per actor), the ranks' leases taken and handed to the coordinator by each
+rank's lease thread, a restarted actor's stale info, actors that can never be scheduled."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def _barrier_error(rank: int, name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_local):
-    """The lease each rank takes at install, handed to the coordinator by the driver
-    (watch_ranks), is watched: the coordinator holds both ranks' leases, and the survivor's
-    barrier fails with RankFailedError naming the dead rank, long before the group's 60 s
+    """The lease each rank takes as its install returns, handed to the coordinator by the
+    rank's lease thread (lease, watch), is watched: the coordinator holds both ranks'
+    leases, and the survivor's barrier fails with RankFailedError naming the dead rank, long before the group's 60 s
     timeout."""
     pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
     name = _name()
@@ -45,7 +45,7 @@ def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_lo
     assert group_sums(pair, name) == [3.0, 3.0]
     coordinator = DRIVER_GROUPS.get(name, session.current()).spec.coordinator
     deadline = time.monotonic() + 30
-    while True:  # the driver's watch_ranks call reaches the coordinator (it is not waited for)
+    while True:  # the ranks' lease and watch calls reach the coordinator (not waited for)
         sizes = ray.get(coordinator.state_sizes.remote(), timeout=30)[1]
         if sizes["lease_watchers"] == 2 or time.monotonic() > deadline:
             break
