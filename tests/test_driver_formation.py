@@ -141,3 +141,37 @@ def test_the_driver_forgets_an_actor_s_kept_info_when_asked(rank_actors):
     assert key in formation._INFOS
     formation.forget(rank_actors[:1])
     assert key not in formation._INFOS
+
+
+def _join_by_name(rank: int, name: str) -> None:
+    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
+
+
+def _leave_by_name(rank: int, name: str) -> None:
+    raycoll.destroy_process_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_a_name_its_ranks_formed_by_name_is_refused_and_their_group_kept(ray_local):
+    """The driver records a group's name while the ranks install it: a name the same actors
+    formed by name (init_process_group) is refused with ValueError, and undoing the
+    formation leaves the actors' own group of that name working (only the group installed
+    with the formation's coordinator is removed); the actors then form other groups."""
+    pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
+    name = _name()
+    try:
+        ray.get([a.run.remote(_join_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+                timeout=90)
+        with pytest.raises(ValueError, match=f"group '{name}' already exists in this job"):
+            raycoll.create_group(pair, group_name=name, timeout=60)
+        assert DRIVER_GROUPS.get(name, session.current()) is None
+        assert group_sums(pair, name) == [3.0, 3.0]  # the by-name group is untouched
+        other = _name()
+        raycoll.create_group(pair, group_name=other, timeout=60)
+        assert group_sums(pair, other) == [3.0, 3.0]
+        raycoll.destroy_group(other)
+        ray.get([a.run.remote(_leave_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+                timeout=60)
+    finally:
+        for actor in pair:
+            ray.kill(actor, no_restart=True)
