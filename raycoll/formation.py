@@ -34,7 +34,9 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
@@ -43,6 +45,7 @@ from ray.actor import ActorHandle
 from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.coordinator.client import pack_handle, unpack_handle
 from raycoll.process_group import GroupSpec
 from raycoll.transport.links import listener
 from raycoll.world import install_root_group
@@ -61,6 +64,13 @@ _SAME = ("actor_id", "proc", "addr", "node_id")
 _INFOS: Dict[Tuple[Any, bytes], Dict[str, Any]] = {}
 _INFOS_MAX = 4096
 _LOCK = threading.Lock()
+#: The most coordinators' handles a process keeps packed (the driver) or read (a rank):
+#: above the pool of idle coordinators a driver keeps (``spare.POOL_MAX``).
+_HANDLES_MAX = 64
+#: The driver's packed handles of its coordinators, by actor id (:func:`_packed`).
+_PACKED: "OrderedDict[bytes, bytes]" = OrderedDict()
+#: A rank's coordinators' handles, read from their packed bytes (:func:`_coordinator`).
+_READ: "OrderedDict[bytes, Any]" = OrderedDict()
 #: A rank's thread that hands its leases to their coordinators (:func:`_hand_over`).
 _HANDS: Optional[ThreadPoolExecutor] = None
 
@@ -87,6 +97,8 @@ def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, A
     the exception; :class:`Stale` for all if the rosters' entry of this rank is not this
     process's."""
     mine = _info(actor_self)
+    items = [(replace(spec, coordinator=_coordinator(spec.coordinator)), rank, roster, g)
+             for spec, rank, roster, g in items]
     spec, rank, roster, _ = items[0]
     entry = roster[rank]
     if any(entry.get(k) != mine.get(k) for k in _SAME):
@@ -106,6 +118,45 @@ def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, A
             outcomes.append(exc)
     _hand_over(held)
     return outcomes
+
+
+def _packed(handle: Any) -> bytes:
+    """Driver side: a coordinator's handle packed (:func:`pack_handle`) for the ranks' install
+    calls, packed once per coordinator (a recycled one serves group after group)."""
+    key = handle._actor_id.binary()
+    with _LOCK:
+        packed = _PACKED.get(key)
+        if packed is not None:
+            _PACKED.move_to_end(key)
+            return packed
+    packed = pack_handle(handle)
+    with _LOCK:
+        _PACKED[key] = packed
+        while len(_PACKED) > _HANDLES_MAX:
+            _PACKED.popitem(last=False)
+    return packed
+
+
+def _coordinator(packed: Any) -> Any:
+    """Rank side: the coordinator's handle that :func:`_packed` packed, read once per
+    coordinator and kept (``_HANDLES_MAX``, the last used). A handle in a Ray call's
+    arguments is read again at every call, 0.5-1 ms in each rank: with a recycled
+    coordinator, that was most of a back-to-back formation's argument cost. A handle (not
+    packed) is returned as it is. Keeping it does not keep the coordinator alive beyond its
+    driver's ``ray.kill`` or its driver's exit."""
+    if not isinstance(packed, bytes):
+        return packed
+    with _LOCK:
+        handle = _READ.get(packed)
+        if handle is not None:
+            _READ.move_to_end(packed)
+            return handle
+    handle = unpack_handle(packed)
+    with _LOCK:
+        _READ[packed] = handle
+        while len(_READ) > _HANDLES_MAX:
+            _READ.popitem(last=False)
+    return handle
 
 
 def _hand_over(held: List[Tuple[CoordinatorClient, int, int]]) -> None:
@@ -181,8 +232,9 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
     roster = [dict(info, rank=r) for r, info in enumerate(infos)]
     secret = secrets.token_bytes(16)  # for direct connections (transport.links)
     clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
+    sent = [replace(s, coordinator=_packed(s.coordinator)) for s in specs]  # read once a rank
     refs = [submit(a, rank, group, _install, [(s, rank, roster, g)
-                                               for s, g in zip(specs, generations)], secret)
+                                               for s, g in zip(sent, generations)], secret)
             for rank, a in enumerate(actors)]
     formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
     if claim is not None:
