@@ -317,6 +317,12 @@ def _gather(refs: List[Any], ranks: List[int], actors: Sequence[ActorHandle], la
         # a failed call (a dead actor) is seen within _SLICE_S
         ready, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=min(deadline - now, _SLICE_S))
+        try:  # every answer read at once (each ray.get costs); a failure: read one by one
+            answers.update(zip([refs.index(ref) for ref in ready],
+                               ray.get(ready, timeout=_GRACE_S)))
+            ready = []
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            pass
         for ref in ready:
             i = refs.index(ref)
             try:
