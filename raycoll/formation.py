@@ -313,17 +313,16 @@ def _gather(refs: List[Any], ranks: List[int], actors: Sequence[ActorHandle], la
                     f"{label}: the actors of ranks {[r for r, _ in never]} can never be "
                     f"scheduled: rank {never[0][0]}'s {never[0][1]}; create them with "
                     "resources the cluster has")
-        # every answer at once (a wake-up or a call each costs on a loaded machine), in
-        # slices so that a failed call (a dead actor) is seen within _SLICE_S; otherwise
-        # those that came are read one by one (a failure: which rank)
-        try:
-            values = ray.get(pending, timeout=min(deadline - now, _SLICE_S))
-            answers.update(zip([refs.index(ref) for ref in pending], values))
-            pending = []
-            continue
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
-                ray.exceptions.RayTaskError):
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+        # every answer at once (a wake-up each costs on a loaded machine), in slices so that
+        # a failed call (a dead actor) is seen within _SLICE_S
+        ready, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=min(deadline - now, _SLICE_S))
+        try:  # every answer read at once (each ray.get costs); a failure: read one by one
+            answers.update(zip([refs.index(ref) for ref in ready],
+                               ray.get(ready, timeout=_GRACE_S)))
+            ready = []
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            pass
         for ref in ready:
             i = refs.index(ref)
             try:
