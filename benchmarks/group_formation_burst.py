@@ -3,6 +3,7 @@ same run (the spaced rows, a coordinator started ahead 1 s before, are
 ``benchmarks/group_formation.py``'s).
 
     python benchmarks/group_formation_burst.py [--rounds 5] [--bulk 8] [--repeats 3]
+        [--sections b2b,by-name,bulk]
 
 One local Ray (4 logical CPUs), zero-CPU actors started and ready (torch and raycoll
 imported) before anything is timed; times from the driver (``time.perf_counter``), medians.
@@ -25,8 +26,9 @@ imported) before anything is timed; times from the driver (``time.perf_counter``
   processes), against its world alone. Also: the same ``--bulk`` groups formed by one
   ``raycoll.create_groups`` call (every actor joins them all in one call), warm.
 
-Ratios: gloo / raycoll for back to back (above 1: raycoll faster); bulk / one group for
-raycoll (the target: at most 2).
+Ratios: gloo / raycoll for back to back (above 1: raycoll faster), for the form alone and
+for the whole round (form + destroy); bulk / one group for raycoll (the target: at most 2).
+``--sections`` runs only those named (default: all three).
 """
 
 from __future__ import annotations
@@ -148,6 +150,10 @@ def _bulk_call(actors: List[Any], count: int) -> float:
     return took
 
 
+#: The script's sections, in the order they run.
+_SECTIONS = ("b2b", "by-name", "bulk")
+
+
 def _ms(values: List[float]) -> str:
     return f"{statistics.median(values) * 1e3:8.1f}"
 
@@ -157,7 +163,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bulk", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sections", default=",".join(_SECTIONS),
+                        help=f"comma-separated, of {', '.join(_SECTIONS)} (default: all)")
     args = parser.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(_SECTIONS))
+    if unknown:
+        parser.error(f"--sections: expected names of {list(_SECTIONS)}, got {unknown}")
     start_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     worker = ray.remote(num_cpus=0)(Rank)
     print(f"load average before: {os.getloadavg()}")
@@ -165,72 +177,107 @@ def main() -> None:
     ray.get([a.run.remote(_imports, r, (), {}) for r, a in enumerate(pair)], timeout=300)
     spare.refill()
     time.sleep(2.0)  # the first coordinator ahead is up: what a process has after a while
+    if "b2b" in sections:
+        _back_to_back(pair, args.rounds, args.repeats)
+    if "by-name" in sections:
+        _by_name_rounds(pair, args.rounds, args.repeats)
+    for actor in pair:
+        ray.kill(actor)
+    if "bulk" in sections:
+        _bulk_section(worker, args.bulk, args.repeats)
+    print(f"coordinators: {spare.counts()}; load average after: {os.getloadavg()}")
+    ray.shutdown()
+
+
+def _back_to_back(pair: List[Any], rounds: int, repeats: int) -> None:
+    """``rounds`` rounds of form then destroy, ``repeats`` times, each library in turn."""
     b2b: Dict[str, List[Dict[str, float]]] = {"raycoll": [], "gloo": []}
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for kind in (("raycoll", "gloo") if repeat % 2 == 0 else ("gloo", "raycoll")):
-            for _ in range(args.rounds):  # back to back: nothing between the rounds
+            for _ in range(rounds):  # back to back: nothing between the rounds
                 b2b[kind].append(_raycoll(pair) if kind == "raycoll" else _gloo(pair))
-    print(f"back to back, 2 ranks, {args.repeats} x {args.rounds} rounds, medians (ms):")
-    print(f"  {'':8s} {'form':>8s} {'destroy':>8s}")
+    print(f"back to back, 2 ranks, {repeats} x {rounds} rounds, medians (ms):")
+    print(f"  {'':8s} {'form':>8s} {'destroy':>8s} {'round':>8s}")
     for kind, rows in b2b.items():
-        print(f"  {kind:8s} {_ms([r['form'] for r in rows])} {_ms([r['destroy'] for r in rows])}")
-    ratio = statistics.median(r["form"] for r in b2b["gloo"]) / \
-        statistics.median(r["form"] for r in b2b["raycoll"])
-    print(f"  form, gloo / raycoll: {ratio:.2f}x; raycoll every round (ms): "
+        print(f"  {kind:8s} {_ms([r['form'] for r in rows])} {_ms([r['destroy'] for r in rows])} "
+              f"{_ms([r['form'] + r['destroy'] for r in rows])}")
+
+    def ratio(key: Any) -> float:
+        return statistics.median(key(r) for r in b2b["gloo"]) / \
+            statistics.median(key(r) for r in b2b["raycoll"])
+
+    print(f"  gloo / raycoll (above 1: raycoll faster): form alone "
+          f"{ratio(lambda r: r['form']):.2f}x, whole round (form + destroy) "
+          f"{ratio(lambda r: r['form'] + r['destroy']):.2f}x")
+    if repeats > 1:  # without each library's first repeat: the first round fetches the
+        # ranks' infos, and the coordinator the pool's refill starts then (a Ray worker
+        # process) takes the cores under the next rounds
+        later = {k: rows[rounds:] for k, rows in b2b.items()}
+        form = [statistics.median(r["form"] for r in later[k]) for k in ("gloo", "raycoll")]
+        whole = [statistics.median(r["form"] + r["destroy"] for r in later[k])
+                 for k in ("gloo", "raycoll")]
+        print(f"  without each library's first {rounds} rounds (ms): form raycoll "
+              f"{form[1] * 1e3:.1f}, gloo {form[0] * 1e3:.1f} ({form[0] / form[1]:.2f}x); "
+              f"round raycoll {whole[1] * 1e3:.1f}, gloo {whole[0] * 1e3:.1f} "
+              f"({whole[0] / whole[1]:.2f}x)")
+    print(f"  raycoll every round's form (ms): "
           f"{[round(r['form'] * 1e3, 1) for r in b2b['raycoll']]}")
+
+
+def _by_name_rounds(pair: List[Any], rounds: int, repeats: int) -> None:
+    """One name formed by name inside the ranks, ``rounds`` rounds, ``repeats`` times."""
     by_name: Dict[str, List[float]] = {"raycoll": [], "gloo": []}
     name = f"named-{uuid.uuid4().hex[:6]}"  # one name, formed again and again (Ray's tests)
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for kind in (("raycoll", "gloo") if repeat % 2 == 0 else ("gloo", "raycoll")):
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 if kind == "raycoll":
                     by_name[kind].append(_raycoll_by_name(pair, name)["form"])
                 else:
                     took = _gloo(pair)
                     by_name[kind].append(took["form"] + took["destroy"])
     print(f"by name inside the ranks (init_process_group + destroy_process_group of one name "
-          f"in a row), {args.repeats} x {args.rounds} rounds, medians (ms): raycoll "
+          f"in a row), {repeats} x {rounds} rounds, medians (ms): raycoll "
           f"{_ms(by_name['raycoll'])}, gloo init+destroy {_ms(by_name['gloo'])}: gloo / raycoll "
           f"{statistics.median(by_name['gloo']) / statistics.median(by_name['raycoll']):.2f}x; "
           f"raycoll every round: {[round(t * 1e3, 1) for t in by_name['raycoll']]}")
-    for actor in pair:
-        ray.kill(actor)
 
-    many = [worker.options(max_concurrency=args.bulk).remote() for _ in range(args.bulk)]
+
+def _bulk_section(worker: Any, bulk: int, repeats: int) -> None:
+    """``bulk`` groups over ``bulk`` actors: cold, warm, one create_groups call, gloo."""
+    many = [worker.options(max_concurrency=bulk).remote() for _ in range(bulk)]
     ray.get([a.run.remote(_imports, r, (), {}) for r, a in enumerate(many)], timeout=300)
     spare.release()
     spare.refill()
     time.sleep(2.0)
-    cold = _bulk(many, args.bulk)
-    print(f"bulk, {args.bulk} groups over {args.bulk} actors at once, cold (1 coordinator "
+    cold = _bulk(many, bulk)
+    print(f"bulk, {bulk} groups over {bulk} actors at once, cold (1 coordinator "
           f"idle): {cold * 1e3:.1f} ms; coordinators: {spare.counts()}")
     one: List[float] = []
     warm: List[float] = []
     call: List[float] = []
     gloo_one: List[float] = []
     gloo_bulk: List[float] = []
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         one.append(_bulk(many, 1))
         if repeat % 2 == 0:  # threads and one call alternate which goes first
-            warm.append(_bulk(many, args.bulk))
-            call.append(_bulk_call(many, args.bulk))
+            warm.append(_bulk(many, bulk))
+            call.append(_bulk_call(many, bulk))
         else:
-            call.append(_bulk_call(many, args.bulk))
-            warm.append(_bulk(many, args.bulk))
+            call.append(_bulk_call(many, bulk))
+            warm.append(_bulk(many, bulk))
         gloo_one.append(_gloo(many)["form"])
-        gloo_bulk.append(_gloo(many, args.bulk)["form"])
-    print(f"bulk, {args.repeats} repeats, medians (ms):")
-    print(f"  raycoll one group {_ms(one)}, {args.bulk} at once (warm) {_ms(warm)}: "
+        gloo_bulk.append(_gloo(many, bulk)["form"])
+    print(f"bulk, {repeats} repeats, medians (ms):")
+    print(f"  raycoll one group {_ms(one)}, {bulk} at once (warm) {_ms(warm)}: "
           f"{statistics.median(warm) / statistics.median(one):.2f}x one group; one "
           f"create_groups call {_ms(call)}: {statistics.median(call) / statistics.median(one):.2f}x")
     print(f"  every repeat (ms): one group {[round(t * 1e3) for t in one]}, threads "
           f"{[round(t * 1e3) for t in warm]}, create_groups {[round(t * 1e3) for t in call]}")
-    print(f"  gloo world alone {_ms(gloo_one)}, world + {args.bulk} new_group {_ms(gloo_bulk)}: "
+    print(f"  gloo world alone {_ms(gloo_one)}, world + {bulk} new_group {_ms(gloo_bulk)}: "
           f"{statistics.median(gloo_bulk) / statistics.median(gloo_one):.2f}x")
-    print(f"  {args.bulk} groups, gloo / raycoll: "
+    print(f"  {bulk} groups, gloo / raycoll: "
           f"{statistics.median(gloo_bulk) / statistics.median(warm):.2f}x")
-    print(f"coordinators: {spare.counts()}; load average after: {os.getloadavg()}")
-    ray.shutdown()
 
 
 if __name__ == "__main__":

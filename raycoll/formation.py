@@ -12,8 +12,11 @@ gather itself. So the driver forms the group (:func:`form`):
 2. the roster and the direct connections' secret sent to the coordinator
    (:meth:`Coordinator.form <raycoll.coordinator.actor.Coordinator.form>`) and to every
    actor at once (one call per actor for all the groups of a :func:`raycoll.create_groups`
-   call); each rank installs its groups and takes its lease on each coordinator
-   (``lease`` + ``watch``, calls it does not wait for), so no rank waits on a coordinator.
+   call); each rank installs its groups, and takes its lease on each coordinator
+   (``lease`` + ``watch``, calls it does not wait for) from a thread of its own as its
+   install call returns (:func:`_hand_over`), so no rank waits on a coordinator and the
+   driver waits on no lease. The driver records the groups' names (``claim``, GCS calls)
+   while the ranks install.
 
 A formation is then one round of calls from the driver (two the first time an actor is
 seen), against a rendezvous' driver call, rank call and coordinator answer, each rank
@@ -27,10 +30,14 @@ the roster changed.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray.actor import ActorHandle
@@ -38,6 +45,7 @@ from ray.actor import ActorHandle
 from raycoll import errors, session
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, rank_info
+from raycoll.coordinator.client import pack_handle, unpack_handle
 from raycoll.coordinator.hosting import Hosted
 from raycoll.process_group import GroupSpec
 from raycoll.transport.links import listener
@@ -57,6 +65,17 @@ _SAME = ("actor_id", "proc", "addr", "node_id")
 _INFOS: Dict[Tuple[Any, bytes], Dict[str, Any]] = {}
 _INFOS_MAX = 4096
 _LOCK = threading.Lock()
+#: The most coordinators' handles a process keeps packed (the driver) or read (a rank):
+#: above the pool of idle coordinators a driver keeps (``spare.POOL_MAX``).
+_HANDLES_MAX = 64
+#: The driver's packed handles of its coordinators, by actor id (:func:`_packed`).
+_PACKED: "OrderedDict[bytes, bytes]" = OrderedDict()
+#: A rank's coordinators' handles, read from their packed bytes (:func:`_coordinator`).
+_READ: "OrderedDict[bytes, Any]" = OrderedDict()
+#: A rank's thread that hands its leases to their coordinators (:func:`_hand_over`).
+_HANDS: Optional[ThreadPoolExecutor] = None
+
+logger = logging.getLogger("raycoll")
 
 
 class Stale(Exception):
@@ -71,36 +90,114 @@ def _info(actor_self: Any) -> Dict[str, Any]:
 
 
 def _install(actor_self: Any, items: List[Tuple[GroupSpec, int, List[Dict[str, Any]], int]],
-             secret: bytes, host: Optional[ActorHandle] = None) -> List[Any]:
-    """Runs inside a rank: install each group ``(spec, rank, roster, generation)`` and take
-    this rank's lease on its coordinator (a call that stays pending while the rank is a
-    member; the driver hands its reference to the coordinator, ``watch_ranks``), or one
-    lease on ``host`` for all of them where one process hosts their coordinators
-    (:mod:`raycoll.coordinator.hosting`). Each group's outcome: ``[lease reference]``
-    (installed), or the exception; :class:`Stale` for all if the rosters' entry of this
-    rank is not this process's."""
+             secret: bytes) -> List[Any]:
+    """Runs inside a rank: install each group ``(spec, rank, roster, generation)``; this
+    rank's lease on its coordinator (a call that stays pending while the rank is a member,
+    handed to the coordinator: ``lease``, ``watch``; one for all the groups whose
+    coordinators one process hosts, :mod:`raycoll.coordinator.hosting`) is taken from a
+    thread of this process as the call returns (:func:`_hand_over`). Each group's outcome: ``None`` (installed), or
+    the exception; :class:`Stale` for all if the rosters' entry of this rank is not this
+    process's."""
     mine = _info(actor_self)
-    spec, rank, roster, generation = items[0]
+    items = [(replace(spec, coordinator=_coordinator(spec.coordinator)), rank, roster, g)
+             for spec, rank, roster, g in items]
+    spec, rank, roster, _ = items[0]
     entry = roster[rank]
     if any(entry.get(k) != mine.get(k) for k in _SAME):
         return [Stale(f"rank {rank}: the driver's info of this actor is stale (its process "
                       f"changed: {entry.get('proc')!r} -> {mine.get('proc')!r})")] * len(items)
-    shared = [host.lease_hosted.remote(rank, generation)] if host is not None else None
     outcomes: List[Any] = []
+    held: List[Tuple[CoordinatorClient, int, int]] = []
     for spec, rank, roster, generation in items:
         try:
             client = CoordinatorClient(spec.coordinator, spec.name)
-            if shared is None:
-                lease = client.take_lease(rank, generation)  # in a list: travels as a reference
-            else:
-                client.lease, lease = shared[0], shared
             install_root_group(spec, rank, client, {"members": roster, "generation": generation,
                                                     "secret": secret},
                                backend_config(spec.backend), lease=False)
-            outcomes.append(lease)
+            held.append((client, rank, generation))
+            outcomes.append(None)
         except Exception as exc:  # noqa: BLE001 - this group's failure, reported as its own
             outcomes.append(exc)
+    _hand_over(held)
     return outcomes
+
+
+def _packed(handle: Any) -> Any:
+    """Driver side: a coordinator's handle packed (:func:`pack_handle`) for the ranks' install
+    calls, packed once per coordinator (a recycled one serves group after group)."""
+    if isinstance(handle, Hosted):  # the host's handle packed, the index as it is
+        return Hosted(_packed(handle.host), handle.index)
+    key = handle._actor_id.binary()
+    with _LOCK:
+        packed = _PACKED.get(key)
+        if packed is not None:
+            _PACKED.move_to_end(key)
+            return packed
+    packed = pack_handle(handle)
+    with _LOCK:
+        _PACKED[key] = packed
+        while len(_PACKED) > _HANDLES_MAX:
+            _PACKED.popitem(last=False)
+    return packed
+
+
+def _coordinator(packed: Any) -> Any:
+    """Rank side: the coordinator's handle that :func:`_packed` packed, read once per
+    coordinator and kept (``_HANDLES_MAX``, the last used). A handle in a Ray call's
+    arguments is read again at every call, 0.5-1 ms in each rank: with a recycled
+    coordinator, that was most of a back-to-back formation's argument cost. A handle (not
+    packed) is returned as it is. Keeping it does not keep the coordinator alive beyond its
+    driver's ``ray.kill`` or its driver's exit."""
+    if isinstance(packed, Hosted):
+        return Hosted(_coordinator(packed.host), packed.index)
+    if not isinstance(packed, bytes):
+        return packed
+    with _LOCK:
+        handle = _READ.get(packed)
+        if handle is not None:
+            _READ.move_to_end(packed)
+            return handle
+    handle = unpack_handle(packed)
+    with _LOCK:
+        _READ[packed] = handle
+        while len(_READ) > _HANDLES_MAX:
+            _READ.popitem(last=False)
+    return handle
+
+
+def _hand_over(held: List[Tuple[CoordinatorClient, int, int]]) -> None:
+    """Runs inside a rank: take each group's lease on its coordinator and hand it over
+    (:meth:`CoordinatorClient.hold_lease`: ``lease``, then ``watch`` with the reference)
+    from this process's lease thread, not waited for. A rank's first calls on a coordinator's
+    handle cost it 1-2 ms each, and handing a reference over 1.5-2 ms more (Ray's borrowing
+    protocol): in the install call, or in its answer to the driver, that was most of the
+    rank's part of a formation. A lease or a hand-over that comes after the rank left (or
+    after the coordinator moved to another generation) is released or ignored by the
+    coordinator; until it comes, a collective's wait probes the ranks
+    (:mod:`raycoll.coordinator.liveness`)."""
+    global _HANDS
+    if not held:
+        return
+    with _LOCK:
+        if _HANDS is None:
+            _HANDS = ThreadPoolExecutor(1, thread_name_prefix="raycoll-lease")
+        hands = _HANDS
+    hands.submit(_hold, held)
+
+
+def _hold(held: List[Tuple[CoordinatorClient, int, int]]) -> None:
+    hosted = [(c, r, g) for c, r, g in held if isinstance(c.handle, Hosted)]
+    for client, rank, generation in [h for h in held if h not in hosted] + hosted[:1]:
+        try:
+            if isinstance(client.handle, Hosted):  # one lease for every group on its host
+                lease = client.hold_hosted_lease(rank, generation)
+                for other, _, _ in hosted:
+                    other.lease = lease
+            else:
+                client.hold_lease(rank, generation)
+        except Exception as exc:  # noqa: BLE001 - the coordinator is gone: nothing to hold
+            logger.debug("raycoll: rank %d's lease on the coordinator of %r failed: %s", rank,
+                         client.group_name, exc)
 
 
 def forget(actors: Sequence[ActorHandle]) -> None:
@@ -130,29 +227,35 @@ def _infos(actors: Sequence[ActorHandle], now: Any, label: str, group: str,
 
 
 def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations: Sequence[int],
-         label: str) -> None:
+         label: str, claim: Optional[Callable[[], None]] = None) -> None:
     """Form root groups ``specs`` (each over all of ``actors``, rank = position; each spec's
     coordinator one this driver holds, serving no group yet at its ``generations`` entry).
-    Raises the first failure (``RankFailedError`` for a dead actor, ``DistTimeoutError`` for
-    ranks that did not answer, ``ValueError`` for actors that can never be scheduled, a
-    group's own error), or :class:`Stale`; the caller then undoes every group (ranks that
-    installed one leave it when told, as ``destroy_group`` tells them)."""
+    ``claim``: called once the ranks' calls are sent, while they run (the groups' names
+    recorded: a name taken raises there, and the ranks' installs are undone as any
+    failure's). Raises the first failure (``RankFailedError`` for a dead actor,
+    ``DistTimeoutError`` for ranks that did not answer, ``ValueError`` for actors that can
+    never be scheduled, a group's own error), or :class:`Stale`; the caller then undoes
+    every group (ranks that installed one leave it when told, as ``destroy_group`` tells
+    them)."""
     now = session.current()
     group = specs[0].name
     deadline = time.monotonic() + max(s.timeout_s for s in specs)
     infos = _infos(actors, now, label, group, deadline)
     roster = [dict(info, rank=r) for r, info in enumerate(infos)]
     secret = secrets.token_bytes(16)  # for direct connections (transport.links)
-    host = specs[0].coordinator.host if isinstance(specs[0].coordinator, Hosted) else None
-    clients = [CoordinatorClient(s.coordinator, s.name) for s in specs]
-    if host is not None:  # one process hosts every group's coordinator: one call forms them
-        formed = [host.form_hosted.remote([s.name for s in specs], roster, secret,
-                                          generations[0])]
-    else:
-        formed = [c.submit_form(roster, secret, g) for c, g in zip(clients, generations)]
+    sent = [replace(s, coordinator=_packed(s.coordinator)) for s in specs]  # read once a rank
     refs = [submit(a, rank, group, _install, [(s, rank, roster, g)
-                                               for s, g in zip(specs, generations)], secret, host)
+                                               for s, g in zip(sent, generations)], secret)
             for rank, a in enumerate(actors)]
+    first = specs[0].coordinator
+    if isinstance(first, Hosted):  # one process hosts every group's coordinator: one call
+        formed = [CoordinatorClient(first.host, group).submit_form_hosted(
+            [s.name for s in specs], roster, secret, generations[0])]
+    else:
+        formed = [CoordinatorClient(s.coordinator, s.name).submit_form(roster, secret, g)
+                  for s, g in zip(specs, generations)]
+    if claim is not None:
+        claim()  # (GCS calls: under the ranks' install, not before it)
     outcomes = _gather(refs, list(range(len(actors))), actors, label, group, deadline)
     stale = [r for r, out in enumerate(outcomes) if out and isinstance(out[0], Stale)]
     if stale:
@@ -162,18 +265,28 @@ def form(actors: Sequence[ActorHandle], specs: Sequence[GroupSpec], generations:
         for outcome in out:
             if isinstance(outcome, BaseException):
                 raise outcome
-    if host is not None:  # not waited for
-        host.watch_hosted.remote(generations[0], [out[0] for out in outcomes])
-    else:
-        for g, (client, generation) in enumerate(zip(clients, generations)):
-            client.submit_watch_ranks(generation, [out[g] for out in outcomes])
-    for spec, ref in zip(specs, formed):  # (a coordinator started now may still be starting)
-        try:
-            answer = ray.get(ref, timeout=max(deadline - time.monotonic(), _GRACE_S))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            raise errors.CoordinatorDiedError(
-                f"{label}: the coordinator of group {spec.name!r} did not take the group: "
-                f"{type(exc).__name__}", group=spec.name) from exc
+    _check_formed(specs[:len(formed)], formed, label, deadline)
+
+
+def _check_formed(specs: Sequence[GroupSpec], formed: List[Any], label: str,
+                  deadline: float) -> None:
+    """Every coordinator's answer to its roster (``Coordinator.form``), read at once; raises
+    ``CoordinatorDiedError`` for one that refused it or did not answer (a coordinator started
+    now may still be starting)."""
+    answers: List[Any] = [None] * len(formed)
+    try:
+        answers = ray.get(formed, timeout=max(deadline - time.monotonic(), _GRACE_S))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        # which one: each read alone below, once all came or the time is up
+        ray.wait(formed, num_returns=len(formed), timeout=max(deadline - time.monotonic(), 0))
+    for spec, ref, answer in zip(specs, formed, answers):
+        if answer is None:
+            try:
+                answer = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise errors.CoordinatorDiedError(
+                    f"{label}: the coordinator of group {spec.name!r} did not take the group: "
+                    f"{type(exc).__name__}", group=spec.name) from exc
         if answer[0] != "ok":
             raise errors.CoordinatorDiedError(
                 f"{label}: the coordinator of group {spec.name!r} refused the group: "
@@ -221,6 +334,12 @@ def _gather(refs: List[Any], ranks: List[int], actors: Sequence[ActorHandle], la
         # a failed call (a dead actor) is seen within _SLICE_S
         ready, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=min(deadline - now, _SLICE_S))
+        try:  # every answer read at once (each ray.get costs); a failure: read one by one
+            answers.update(zip([refs.index(ref) for ref in ready],
+                               ray.get(ready, timeout=_GRACE_S)))
+            ready = []
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            pass
         for ref in ready:
             i = refs.index(ref)
             try:

@@ -30,7 +30,7 @@ from raycoll import errors, formation, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, spare
-from raycoll.coordinator.hosting import Hosted
+from raycoll.coordinator.hosting import Hosted, process_of
 from raycoll.process_group import DEFAULT_TIMEOUT_S, GroupSpec
 from raycoll.world import world
 from raycoll.options import GroupOptions, OptionsLike
@@ -61,8 +61,7 @@ class _Host:
         clean = False
         handle = self.coordinator.handle
         try:
-            clean = bool(CoordinatorClient(handle, "").wait(
-                handle.end_hosted.remote(index), _TEARDOWN_S, op="destroy_group")["clean"])
+            clean = bool(CoordinatorClient(handle, "").end_hosted(index, _TEARDOWN_S)["clean"])
         except Exception as exc:  # noqa: BLE001 - dead or gone: the process is ended below
             logger.debug("raycoll: ending hosted coordinator %d failed: %s", index, exc)
         with self.lock:
@@ -146,35 +145,31 @@ def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Op
         host = spare.take(now) if len(names) > 1 else None
         taken: List[spare.Spare] = [host] if host is not None else []
         specs: List[GroupSpec] = []
-        submitted = False
+        claims: List[Tuple[str, spare.Spare, int]] = []  # (name, coordinator, hosted index)
+        claimed: List[str] = []  # the names recorded (spare.claim) while the ranks install
         try:
             for index, name in enumerate(names, 1):
                 coordinator = host or spare.take(now)  # idle (started ahead, recycled), or started
-                if not spare.claim(now[1], name, coordinator, index if host else 0):
-                    if host is None:
-                        spare.put_back(coordinator, now)
-                    raise ValueError(f"group {name!r} already exists in this job")
                 if host is None:
                     taken.append(coordinator)
+                claims.append((name, coordinator, index if host else 0))
                 specs.append(GroupSpec(name, len(actors), backend, seconds,
                                        Hosted(coordinator.handle, index) if host
                                        else coordinator.handle, group_options))
-            submitted = True
             generations = [c.generation for c in taken] * (len(specs) // len(taken))
-            formation.form(actors, specs, generations, label)
+            formation.form(actors, specs, generations, label,
+                           claim=lambda: _claim(now, claims, claimed))
         except BaseException as exc:
+            ours = [c.handle._actor_id.binary() for c in taken]
             for actor in actors if specs else []:
                 try:  # a rank that installed a group forgets it (after its install call)
-                    actor.__ray_call__.remote(_undo, [s.name for s in specs])
+                    actor.__ray_call__.remote(_undo, [s.name for s in specs], ours)
                 except Exception:  # noqa: BLE001 - a dead actor's handle may refuse calls
                     pass
-            for spec in specs:
-                spare.unclaim(now[1], spec.name)
-            for coordinator in taken:  # (unused by any rank unless the formation was sent)
-                if submitted:
-                    _kill(coordinator.handle)
-                else:
-                    spare.put_back(coordinator, now)
+            for name in claimed:
+                spare.unclaim(now[1], name)
+            for coordinator in taken:
+                _kill(coordinator.handle)
             if not isinstance(exc, formation.Stale) or attempt:
                 raise
             logger.debug("raycoll: %s: %s; forming again", label, exc)
@@ -186,11 +181,36 @@ def form_groups(actors: Sequence[ActorHandle], names: Sequence[str], backend: Op
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _undo(actor_self: Any, names: List[str]) -> None:
-    """Runs inside each actor: forget the groups of a formation that failed, if installed."""
+def _claim(now: session.SessionKey, claims: Sequence[Tuple[str, spare.Spare, int]],
+           claimed: List[str]) -> None:
+    """Record each group's name for its coordinator (:func:`spare.claim`: ``(name,
+    coordinator, index)``, the index of a hosted one), in ``claimed``; ``ValueError`` at the
+    first name taken in this job (by another process's group, or a group its ranks formed by
+    name). :func:`formation.form` calls it while the ranks install, so that its GCS calls
+    (1-2 ms) run under their calls instead of before them; a name taken then undoes the
+    formation as any failure does (its coordinators are ended, not handed to the next
+    group: the ranks took leases on them)."""
+    for name, coordinator, index in claims:
+        if not spare.claim(now[1], name, coordinator, index):
+            raise ValueError(f"group {name!r} already exists in this job")
+        claimed.append(name)
+
+
+def _undo(actor_self: Any, names: List[str],
+          coordinators: Optional[List[bytes]] = None) -> None:
+    """Runs inside each actor: forget the groups of a formation that failed, if installed
+    (with ``coordinators``, the formation's coordinators' actor ids: only a group installed
+    with one of them, not a group of the same name the actor had before, e.g. formed by
+    name)."""
     for name in names:
-        if name in world().groups:
-            world().remove(name, "the group's formation failed")
+        pg = world().groups.get(name)
+        if pg is None:
+            continue
+        if coordinators is not None:
+            handle = process_of(pg.client.handle)
+            if handle is None or handle._actor_id.binary() not in coordinators:
+                continue
+        world().remove(name, "the group's formation failed")
 
 
 def _check_actors(actors: Sequence[ActorHandle]) -> None:

@@ -1,6 +1,6 @@
 """Root groups formed by their driver (raycoll/formation.py): the roster gathered by the driver
-(rank infos kept per actor), the ranks' leases handed to the coordinator by the driver, a
-restarted actor's stale info, actors that can never be scheduled."""
+(rank infos kept per actor), the ranks' leases taken and handed to the coordinator by each
+rank's lease thread, a restarted actor's stale info, actors that can never be scheduled."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def _barrier_error(rank: int, name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_local):
-    """The lease each rank takes at install, handed to the coordinator by the driver
-    (watch_ranks), is watched: the coordinator holds both ranks' leases, and the survivor's
-    barrier fails with RankFailedError naming the dead rank, long before the group's 60 s
+    """The lease each rank takes as its install returns, handed to the coordinator by the
+    rank's lease thread (lease, watch), is watched: the coordinator holds both ranks'
+    leases, and the survivor's barrier fails with RankFailedError naming the dead rank, long before the group's 60 s
     timeout."""
     pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
     name = _name()
@@ -45,7 +45,7 @@ def test_a_rank_killed_after_a_driver_formed_group_fails_its_peer_at_once(ray_lo
     assert group_sums(pair, name) == [3.0, 3.0]
     coordinator = DRIVER_GROUPS.get(name, session.current()).spec.coordinator
     deadline = time.monotonic() + 30
-    while True:  # the driver's watch_ranks call reaches the coordinator (it is not waited for)
+    while True:  # the ranks' lease and watch calls reach the coordinator (not waited for)
         sizes = ray.get(coordinator.state_sizes.remote(), timeout=30)[1]
         if sizes["lease_watchers"] == 2 or time.monotonic() > deadline:
             break
@@ -141,3 +141,37 @@ def test_the_driver_forgets_an_actor_s_kept_info_when_asked(rank_actors):
     assert key in formation._INFOS
     formation.forget(rank_actors[:1])
     assert key not in formation._INFOS
+
+
+def _join_by_name(rank: int, name: str) -> None:
+    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
+
+
+def _leave_by_name(rank: int, name: str) -> None:
+    raycoll.destroy_process_group(name)
+
+
+@pytest.mark.timeout(120)
+def test_a_name_its_ranks_formed_by_name_is_refused_and_their_group_kept(ray_local):
+    """The driver records a group's name while the ranks install it: a name the same actors
+    formed by name (init_process_group) is refused with ValueError, and undoing the
+    formation leaves the actors' own group of that name working (only the group installed
+    with the formation's coordinator is removed); the actors then form other groups."""
+    pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
+    name = _name()
+    try:
+        ray.get([a.run.remote(_join_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+                timeout=90)
+        with pytest.raises(ValueError, match=f"group '{name}' already exists in this job"):
+            raycoll.create_group(pair, group_name=name, timeout=60)
+        assert DRIVER_GROUPS.get(name, session.current()) is None
+        assert group_sums(pair, name) == [3.0, 3.0]  # the by-name group is untouched
+        other = _name()
+        raycoll.create_group(pair, group_name=other, timeout=60)
+        assert group_sums(pair, other) == [3.0, 3.0]
+        raycoll.destroy_group(other)
+        ray.get([a.run.remote(_leave_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+                timeout=60)
+    finally:
+        for actor in pair:
+            ray.kill(actor, no_restart=True)

@@ -124,6 +124,30 @@ class CoordinatorClient:
                                                        generation)
         return ref
 
+    def submit_form_hosted(self, names: List[str], roster: List[Dict[str, Any]], secret: bytes,
+                           generation: int) -> "ray.ObjectRef":
+        """The driver forms groups ``names`` with ``roster``, each with a coordinator hosted
+        in this one's process (``Coordinator.form_hosted``, :mod:`.hosting`); the answer's
+        reference (a result tuple)."""
+        ref: "ray.ObjectRef" = self.handle.form_hosted.remote(names, roster, secret, generation)
+        return ref
+
+    def hold_hosted_lease(self, rank: int, generation: int) -> "ray.ObjectRef":
+        """:meth:`hold_lease` for every group whose coordinator this (hosted) one's host holds:
+        one lease (``lease_hosted``), handed to all of them (``watch_hosted``). Does not
+        wait; the lease's reference."""
+        host = self.handle.host
+        self.lease = host.lease_hosted.remote(rank, generation)
+        host.watch_hosted.remote(rank, generation, [self.lease])
+        return self.lease
+
+    def end_hosted(self, index: int, timeout_s: float) -> Dict[str, Any]:
+        """End the hosted coordinator ``index`` of this host (its group was destroyed):
+        ``{"clean": bool, "hosted": how many are left}`` (``Coordinator.end_hosted``)."""
+        answer: Dict[str, Any] = self.wait(self.handle.end_hosted.remote(index), timeout_s,
+                                           op="destroy_group")
+        return answer
+
     def take_lease(self, rank: int, generation: int) -> List["ray.ObjectRef"]:
         """Take this rank's lease of ``generation`` without the ``watch`` call: its
         reference, in a list, for the driver to hand over (:meth:`submit_watch_ranks`)."""

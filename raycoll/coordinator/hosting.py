@@ -11,8 +11,8 @@ with its own tables (steps, stores, Join, liveness, errors); only the process is
 
 - The driver forms them in one call (:meth:`HostingMixin.form_hosted`); a rank takes one lease
   for all of them (:meth:`HostingMixin.lease_hosted`: it ends when the rank has left every
-  hosted group, or they ended), and the driver hands every rank's lease to every hosted
-  coordinator in one call (:meth:`HostingMixin.watch_hosted`).
+  hosted group, or they ended) and hands it to every hosted coordinator in one call
+  (:meth:`HostingMixin.watch_hosted`).
 - A rank reaches its group's coordinator through a :class:`Hosted` handle (what the group's
   spec carries): ``handle.method.remote(...)`` becomes the host's
   ``hosted(index, "method", args, kwargs)``, so the client code is the same for both.
@@ -36,9 +36,9 @@ import ray
 from raycoll.coordinator.logic import Result, err, ok
 from raycoll.coordinator.state import CoordinatorState
 
-__all__ = ["Hosted", "HostingMixin"]
+__all__ = ["Hosted", "HostingMixin", "process_of"]
 
-#: How long a rank's lease waits for the driver's ``form_hosted`` that it overtook.
+#: How long a rank's lease (or watch) waits for the driver's ``form_hosted`` it overtook.
 _FORM_WAIT_S = 60.0
 
 
@@ -52,12 +52,18 @@ class Hosted:
         self.index = index
 
     def __getattr__(self, method: str) -> "_HostedMethod":
-        if method.startswith("__"):  # pickle's and copy's probes: not coordinator methods
-            raise AttributeError(method)
+        if method.startswith("_"):  # pickle's and copy's probes, a handle's own attributes:
+            raise AttributeError(method)  # no coordinator method starts with "_"
         return _HostedMethod(self.host, self.index, method)
 
     def __repr__(self) -> str:
         return f"Hosted({self.host!r}, {self.index})"
+
+
+def process_of(handle: Any) -> Any:
+    """The actor handle of the process a coordinator's handle reaches: a hosted one's host,
+    else the handle itself (``None`` stays ``None``)."""
+    return handle.host if isinstance(handle, Hosted) else handle
 
 
 class _HostedMethod:
@@ -112,27 +118,34 @@ class HostingMixin(CoordinatorState):
 
     async def lease_hosted(self, rank: int, generation: int) -> Result:
         """One lease for every hosted group that ``rank`` is in: pending until the rank has
-        left them all (or they ended). The rank owns its reference; the driver hands it over
-        (:meth:`watch_hosted`), so that its process's death reaches every hosted group. A
-        lease that arrives before the driver's :meth:`form_hosted` (their callers differ, so
-        Ray does not order them) waits for it."""
-        while generation == self._generation and not self._hosting.is_set():
-            try:
-                await asyncio.wait_for(self._hosting.wait(), _FORM_WAIT_S)
-            except asyncio.TimeoutError:
-                return ok()  # the formation never came: it failed (the driver ends us)
-        if generation != self._generation:
+        left them all (or they ended). The rank owns its reference and hands it over
+        (:meth:`watch_hosted`), so that its process's death reaches every hosted group."""
+        if not await self._hosting_formed(generation):
             return ok()
         futures = [hosted._lease_future(rank, generation) for hosted in self._hosted.values()]
         if futures:
             await asyncio.gather(*futures)
         return ok()
 
-    def watch_hosted(self, generation: int, leases: List[List["ray.ObjectRef"]]) -> Result:
-        """``watch_ranks`` on every hosted coordinator with the same leases."""
-        for hosted in self._hosted.values():
-            hosted.watch_ranks(generation, leases)
+    async def watch_hosted(self, rank: int, generation: int,
+                           lease: List["ray.ObjectRef"]) -> Result:
+        """``watch`` on every hosted coordinator with ``rank``'s one lease (in a list, so that
+        it arrives unresolved)."""
+        if await self._hosting_formed(generation):
+            for hosted in self._hosted.values():
+                hosted.watch(rank, generation, lease)
         return ok()
+
+    async def _hosting_formed(self, generation: int) -> bool:
+        """Wait for :meth:`form_hosted` of ``generation`` (a rank's lease or watch can overtake
+        the driver's call: their callers differ, so Ray does not order them); False if this
+        host moved on, or the formation never came (it failed: the driver ends this host)."""
+        while generation == self._generation and not self._hosting.is_set():
+            try:
+                await asyncio.wait_for(self._hosting.wait(), _FORM_WAIT_S)
+            except asyncio.TimeoutError:
+                return False
+        return generation == self._generation
 
     def end_hosted(self, index: int) -> Result:
         """End hosted coordinator ``index`` (its group was destroyed): its leases released, its
