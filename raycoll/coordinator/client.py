@@ -148,18 +148,6 @@ class CoordinatorClient:
                                            op="destroy_group")
         return answer
 
-    def take_lease(self, rank: int, generation: int) -> List["ray.ObjectRef"]:
-        """Take this rank's lease of ``generation`` without the ``watch`` call: its
-        reference, in a list, for the driver to hand over (:meth:`submit_watch_ranks`)."""
-        self.lease = self.handle.lease.remote(rank, generation)
-        return [self.lease]
-
-    def submit_watch_ranks(self, generation: int,
-                           leases: List[List["ray.ObjectRef"]]) -> "ray.ObjectRef":
-        """Hand every rank's lease (:meth:`take_lease`) to the coordinator at once."""
-        ref: "ray.ObjectRef" = self.handle.watch_ranks.remote(generation, leases)
-        return ref
-
     def leave(self, rank: int, timeout_s: float = LEAVE_TIMEOUT_S) -> Dict[str, Any]:
         """``rank`` leaves the group; returns ``{"all_left": bool}``."""
         return self.wait(self.handle.leave.remote(rank), timeout_s, op="leave")

@@ -100,14 +100,6 @@ class LivenessMixin(CoordinatorState):
                 self._watch_lease(rank, generation, lease[0]))
         return ok()
 
-    def watch_ranks(self, generation: int, leases: List[List["ray.ObjectRef"]]) -> Result:
-        """``watch`` for every rank at once (``leases[rank]``: its lease's reference, in a
-        list): a group formed by its driver (:mod:`raycoll.formation`) hands them over in
-        one call."""
-        for rank, lease in enumerate(leases):
-            self.watch(rank, generation, lease)
-        return ok()
-
     def dead_ranks(self) -> Result:
         """The global ranks found dead in this generation, with the reason."""
         return ok(dict(self._dead))

@@ -62,7 +62,7 @@ from raycoll.coordinator.logic import coordinator_name
 
 logger = logging.getLogger("raycoll")
 
-__all__ = ["Spare", "ENV", "POOL_MAX", "enabled", "pending", "take", "put_back", "refill",
+__all__ = ["Spare", "ENV", "POOL_MAX", "enabled", "pending", "take", "refill",
            "recycle", "release", "claim", "unclaim", "find", "claimed", "counts"]
 
 #: The environment variable that turns spares off (``0``).
@@ -151,18 +151,6 @@ def pending(now: Optional[session.SessionKey] = None) -> Optional[Spare]:
     with _LOCK:
         names = _idle(now)
         return _SPARES.get(names[-1], now) if names else None
-
-
-def put_back(spare: Spare, now: session.SessionKey) -> None:
-    """Return a coordinator that :func:`take` handed out but no group used (its name was
-    taken): it is idle again, or ended if the pool is full."""
-    with _LOCK:
-        kept = len(_idle(now)) < POOL_MAX and _SPARES.add(_key(),
-                                                          replace(spare, ahead=True), now)
-        if kept and spare.ahead:
-            _COUNTS["taken"] -= 1
-    if not kept:
-        _kill(spare.handle)
 
 
 def take(now: session.SessionKey) -> Spare:
