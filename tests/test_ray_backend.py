@@ -94,7 +94,9 @@ def _declared(actor: Any, rank: int, group: str) -> Dict[str, Any]:
         col.allreduce(np.ones(1), group)
         out["after_destroy"] = "ok"
     except RuntimeError:  # Ray's "not initialized" (no record left either)
-        out["after_destroy"] = "RuntimeError"
+        out["after_destroy"] = "refused"
+    except ray.exceptions.RayActorError:  # Ray's own race: the other rank's destroy killed the
+        out["after_destroy"] = "refused"  # group's info actor while this rank read it
     col.init_collective_group(2, rank, backend="raycoll", group_name=group)
     y = np.ones(2)
     col.allreduce(y, group)
@@ -116,7 +118,7 @@ def test_create_collective_group_of_ray_s_module_forms_at_the_first_collective(h
     assert [g["rank"] for g in got] == [1, 0]
     for g in got:
         assert g == {"before": False, "sum": [3.0, 3.0, 3.0], "rank": g["rank"],
-                     "is_raycoll": "RaycollGroup", "after_destroy": "RuntimeError",
+                     "is_raycoll": "RaycollGroup", "after_destroy": "refused",
                      "again": [2.0, 2.0]}
 
 
