@@ -154,7 +154,8 @@ def _settle(pg: ProcessGroup, flags: int, why: str) -> None:
         if pg._broken is None:
             pg._broken = errors.GroupBrokenError(f"group {pg.name!r} was aborted: {why}",
                                                  group=pg.name)
-        pg.client.submit_abort(pg.name, "aborted", f"group {pg.name!r} was aborted: {why}", {})
+        pg.client.submit_abort(pg.name, "aborted", f"group {pg.name!r} was aborted: {why}", {},
+                               pg._root.generation)
         return  # closing the group ends this rank's calls in flight
     deadline = time.monotonic() + pg.timeout_s
     while pg.outstanding() and time.monotonic() < deadline:

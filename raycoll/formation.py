@@ -127,18 +127,7 @@ def _packed(handle: Any) -> Any:
     calls, packed once per coordinator (a recycled one serves group after group)."""
     if isinstance(handle, Hosted):  # the host's handle packed, the index as it is
         return Hosted(_packed(handle.host), handle.index)
-    key = handle._actor_id.binary()
-    with _LOCK:
-        packed = _PACKED.get(key)
-        if packed is not None:
-            _PACKED.move_to_end(key)
-            return packed
-    packed = pack_handle(handle)
-    with _LOCK:
-        _PACKED[key] = packed
-        while len(_PACKED) > _HANDLES_MAX:
-            _PACKED.popitem(last=False)
-    return packed
+    return _kept(_PACKED, handle._actor_id.binary(), lambda: pack_handle(handle))
 
 
 def _coordinator(packed: Any) -> Any:
@@ -152,17 +141,23 @@ def _coordinator(packed: Any) -> Any:
         return Hosted(_coordinator(packed.host), packed.index)
     if not isinstance(packed, bytes):
         return packed
+    return _kept(_READ, packed, lambda: unpack_handle(packed))
+
+
+def _kept(cache: "OrderedDict[bytes, Any]", key: bytes, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` the first time; the cache keeps the
+    ``_HANDLES_MAX`` used last."""
     with _LOCK:
-        handle = _READ.get(packed)
-        if handle is not None:
-            _READ.move_to_end(packed)
-            return handle
-    handle = unpack_handle(packed)
+        value = cache.get(key)
+        if value is not None:
+            cache.move_to_end(key)
+            return value
+    value = make()  # (outside the lock: reading a handle may import its class)
     with _LOCK:
-        _READ[packed] = handle
-        while len(_READ) > _HANDLES_MAX:
-            _READ.popitem(last=False)
-    return handle
+        cache[key] = value
+        while len(cache) > _HANDLES_MAX:
+            cache.popitem(last=False)
+    return value
 
 
 def _hand_over(held: List[Tuple[CoordinatorClient, int, int]]) -> None:

@@ -346,7 +346,7 @@ def _transport_round(pg: ProcessGroup, call: Any, join_seq: Optional[int],
     except errors.CollectiveMismatchError as exc:  # out of step: nothing can go on
         err = errors.CollectiveMismatchError(f"{exc} {JOIN_OUT_OF_STEP}",
                                              **pg.error_context(call))
-        client.submit_abort(pg.name, "mismatch", str(err), {})
+        client.submit_abort(pg.name, "mismatch", str(err), {}, pg._root.generation)
         raise err from exc
     if seqs is None:  # cannot happen: the transport was checked active in issue order
         raise errors.CollectiveError(f"join #{call.seq} on group {pg.name!r}: the lane is gone",

@@ -513,7 +513,8 @@ class ProcessGroup(ObjectAPI):
                     self._root.client.submit_abort(
                         self._name, "aborted",
                         f"{call.op} #{call.seq} on group {self._name!r}: rank {me} failed inside "
-                        f"it ({type(exc).__name__}: {exc}); the group is broken", {})
+                        f"it ({type(exc).__name__}: {exc}); the group is broken", {},
+                        self._root.generation)
                 raise
 
         return guarded
@@ -530,7 +531,7 @@ class ProcessGroup(ObjectAPI):
         # close then asks the coordinator and learns why, rather than taking this rank for dead.
         try:
             self._root.client.abort(key, kind, str(exc), {"failed_ranks": list(failed)},
-                                    timeout_s=ABORT_RECORD_S)
+                                    timeout_s=ABORT_RECORD_S, generation=self._root.generation)
         except errors.RaycollError:
             pass  # the coordinator is gone or stuck: the peers judge by their connections
 
@@ -562,7 +563,8 @@ class ProcessGroup(ObjectAPI):
         if self._broken is None:
             self._broken = err
         if self._destroyed is None:  # (see _on_backend_failure)
-            self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing})
+            self._root.client.submit_abort(self._name, "timeout", str(err), {"missing": missing},
+                                           self._root.generation)
         return err
 
     def close(self, reason: str) -> None:

@@ -389,3 +389,24 @@ def test_a_transport_timeout_names_the_ranks_behind_the_waits(waits, missing, na
     status, kind, message, extra = _run(body)
     assert (status, kind) == ("err", "timeout") and extra["missing"] == [10 + r for r in named]
     assert f"ranks [{', '.join(str(10 + r) for r in named)}] never arrived" in message
+
+
+def test_an_abort_of_an_earlier_generation_breaks_nothing() -> None:
+    """A rank's failing call that reports after its group shrank or grew under the same name
+    (the generation moved on) must not break the new group; one of the current generation
+    does."""
+    async def body():
+        c = Coordinator("g", 2)
+        c._generation = 3
+        stale = c.abort("g", "aborted", "late report of generation 2", {}, 2)
+        fp = {"op": "all_to_all"}
+        routed = await asyncio.gather(_exchange(c, 0, fp, ["00", "01"]),
+                                      _exchange(c, 1, fp, ["10", "11"]))
+        current = c.abort("g", "aborted", "generation 3 broke", {}, 3)
+        failed = await _exchange(c, 0, fp, ["00", "01"], seq=2)
+        return stale, routed, current, failed
+
+    stale, routed, current, failed = _run(body)
+    assert stale == current == ("ok", None)
+    assert routed == [("ok", ["00", "10"]), ("ok", ["01", "11"])]
+    assert failed[:3] == ("err", "aborted", "generation 3 broke")

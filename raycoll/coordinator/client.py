@@ -247,14 +247,19 @@ class CoordinatorClient:
         return self.handle.reject.remote(key, ranks, seq, rank, op, message, kind)
 
     def submit_abort(self, key: str, kind: str, message: str,
-                     extra: Optional[Dict[str, Any]] = None) -> "ray.ObjectRef":
-        """Break group ``key`` and its subgroups with error ``kind``/``message``; does not wait."""
-        return self.handle.abort.remote(key, kind, message, extra if extra is not None else {})
+                     extra: Optional[Dict[str, Any]] = None,
+                     generation: Optional[int] = None) -> "ray.ObjectRef":
+        """Break group ``key`` and its subgroups with error ``kind``/``message``, if the group
+        is still at ``generation`` (its membership the caller knows; ``None``: whichever it
+        is); does not wait."""
+        return self.handle.abort.remote(key, kind, message, extra if extra is not None else {},
+                                        generation)
 
     def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None,
-              *, timeout_s: float, where: Where = None) -> None:
+              *, timeout_s: float, where: Where = None,
+              generation: Optional[int] = None) -> None:
         """:meth:`submit_abort`, waiting up to ``timeout_s`` until the break is recorded."""
-        self._wait(self.submit_abort(key, kind, message, extra), timeout_s, where)
+        self._wait(self.submit_abort(key, kind, message, extra, generation), timeout_s, where)
 
     def pending(self, key: str, seq: int, timeout_s: float = PENDING_TIMEOUT_S,
                 where: Where = None) -> Dict[str, Any]:

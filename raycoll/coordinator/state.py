@@ -143,7 +143,8 @@ class CoordinatorState:
     if TYPE_CHECKING:  # provided by one concern, called by another
         def leave(self, rank: int) -> Result: ...
         def abort(self, key: str, kind: str, message: str,
-                  extra: Optional[Dict[str, Any]] = None) -> Result: ...
+                  extra: Optional[Dict[str, Any]] = None,
+                  generation: Optional[int] = None) -> Result: ...
         async def exchange(self, key: str, ranks: Tuple[int, ...], seq: int, step: int,
                            rank: int, fp: Dict[str, Any], send_meta: Optional[List[Any]],
                            recv_meta: Optional[List[Any]], payload: Any, mode: str,

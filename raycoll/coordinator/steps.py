@@ -94,8 +94,14 @@ class StepsMixin(CoordinatorState):
         self._maybe_drop(key, 0, st)
         return ok()
 
-    def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None) -> Result:
-        """Break group ``key`` (and the groups under it): every waiting and later call fails."""
+    def abort(self, key: str, kind: str, message: str, extra: Optional[Dict[str, Any]] = None,
+              generation: Optional[int] = None) -> Result:
+        """Break group ``key`` (and the groups under it): every waiting and later call fails.
+        ``generation``: the membership the breaking rank was in; an abort of an earlier one
+        (a rank's failing call that reported after the group shrank or grew under the same
+        name, :mod:`raycoll.elastic`) breaks nothing."""
+        if generation is not None and generation != self._generation:
+            return ok()
         error = err(kind, message, **(extra or {}))
         keys = subgroup_keys(key, self._groups)
         for k in keys:
