@@ -174,7 +174,9 @@ def test_the_readme_has_runnable_blocks() -> None:
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 30)
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
+@pytest.mark.parametrize("block", [  # a block an extra's marker names is marked as its tests
+    pytest.param(b, marks=[getattr(pytest.mark, r) for r in b.requires if r in EXTRAS])
+    for b in BLOCKS], ids=[f"line{b.line}" for b in BLOCKS])
 def test_readme_block_runs(block: Block) -> None:
     if block.excerpt:
         pytest.skip(f"README.md line {block.line}: marked <!-- excerpt -->")
