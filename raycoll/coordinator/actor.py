@@ -235,25 +235,35 @@ class Coordinator(StepsMixin, TransportMixin, JoinMixin, MailboxMixin, StoreMixi
         ignored). Refused (``{"recycled": False}``, the driver then ends it) while anything
         of the group is pending or after the group failed: a coordinator that saw a failure
         never serves another group."""
-        busy = (self._steps or self._dead or self._broken or self._store_waiters
-                or any(self._waiting.values()) or any(not t.done() for t in self._probes.values())
-                or self._owned_by_ranks or self._joiners or self._hosted)
-        if busy:
+        if self._busy():
             return ok({"recycled": False})
         generation = self._generation + 1
-        self._liveness_reset(generation)  # every lease released, its watcher cancelled
-        for task in list(self._probes.values()) + [self._monitor]:
-            if task is not None and not task.done():
-                task.cancel()
-        for timer in (self._death_report,):
-            if timer is not None:
-                timer.cancel()
-        for future in self._token_leases.values():  # none should be left: end them all
-            if not future.done():
-                future.set_result(None)
+        self._release(generation)
         CoordinatorState.__init__(self, "", 0)
         self._generation = generation
         return ok({"recycled": True, "generation": generation})
+
+    def _busy(self) -> bool:
+        """Whether anything of the group is pending or it saw a failure (then it serves no
+        other group)."""
+        return bool(self._steps or self._dead or self._broken or self._store_waiters
+                    or any(self._waiting.values())
+                    or any(not t.done() for t in self._probes.values())
+                    or self._owned_by_ranks or self._joiners or self._hosted)
+
+    def _release(self, generation: int) -> None:
+        """Let go of everything running for the group: every lease up to ``generation``
+        released (its watcher cancelled), the probes, the wait monitor and a pending death
+        report cancelled, the leases taken with a rendezvous ended."""
+        self._liveness_reset(generation)
+        for task in list(self._probes.values()) + [self._monitor]:
+            if task is not None and not task.done():
+                task.cancel()
+        if self._death_report is not None:
+            self._death_report.cancel()
+        for future in self._token_leases.values():  # none should be left: end them all
+            if not future.done():
+                future.set_result(None)
 
     def form(self, group_name: str, roster: List[Dict[str, Any]], secret: bytes,
              generation: int) -> Result:

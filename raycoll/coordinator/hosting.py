@@ -155,12 +155,9 @@ class HostingMixin(CoordinatorState):
         hosted = self._hosted.pop(index, None)
         if hosted is None:
             return ok({"clean": False, "hosted": len(self._hosted)})
-        clean = bool(hosted.recycle()[1]["recycled"])
+        clean = not hosted._busy()
         if not clean:
             name = hosted._group_name
             hosted.abort(name, "aborted", f"group {name!r} was destroyed")
-            hosted._liveness_reset(hosted._generation)
-            for task in list(hosted._probes.values()) + [hosted._monitor]:
-                if task is not None and not task.done():
-                    task.cancel()
+        hosted._release(hosted._generation + 1)
         return ok({"clean": clean, "hosted": len(self._hosted)})
