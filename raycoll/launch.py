@@ -17,6 +17,7 @@ here into raycoll's, the original chained as the cause.
 from __future__ import annotations
 
 import logging
+import sys
 import os
 import uuid
 import threading
@@ -294,7 +295,30 @@ class RankWorker:
     """The actor class :func:`spawn` starts for each rank (and :mod:`raycoll.testing` reuses)."""
 
     def run(self, fn: Callable[..., Any], rank: int, args: tuple, kwargs: dict) -> Any:
-        return fn(rank, *args, **kwargs)
+        """``fn(rank, *args, **kwargs)``; a ``torch.distributed`` default group that ``fn``
+        initialized and left (it raised before ``destroy_process_group``) is destroyed after
+        it, as a process of ``torch.multiprocessing.spawn`` would take it with it, so that the
+        actor's next run can initialize torch again."""
+        torch_before = _torch_initialized()
+        try:
+            return fn(rank, *args, **kwargs)
+        finally:
+            if not torch_before and _torch_initialized():
+                _destroy_torch_default()
+
+
+def _torch_initialized() -> bool:
+    """Whether ``torch.distributed`` (if this process imported it) has a default group."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _destroy_torch_default() -> None:
+    try:
+        sys.modules["torch.distributed"].destroy_process_group()
+    except Exception:  # noqa: BLE001 - its raycoll group may be broken or gone already
+        logger.debug("raycoll: destroying the torch default group a run left failed",
+                     exc_info=True)
 
 
 _SpawnWorker: Any = ray.remote(RankWorker)

@@ -222,6 +222,27 @@ def test_mismatch_is_named_and_gloo_without_master_addr_meets_on_raycolls_store(
         assert got["gloo"] == ["gloo", [3.0, 3.0]], got
 
 
+def _raise_with_torch_initialized(rank: int) -> None:
+    _init()
+    raise RuntimeError(f"rank {rank} fails before destroy_process_group")
+
+
+def _initialized_before_init(rank: int) -> bool:
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    _init().destroy_process_group()
+    return before
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_raises_with_torch_initialized_leaves_the_actor_clean(ranks):
+    with pytest.raises(raycoll.SpawnError, match="fails before destroy_process_group"):
+        ranks.run(_raise_with_torch_initialized, 2)
+    # the same pooled actors: torch's default group went with the failed run
+    assert ranks.run(_initialized_before_init, 2) == [False, False]
+
+
 def _bf16_on_raycolls_own_api(rank: int) -> Dict[str, Any]:
     import torch
 
