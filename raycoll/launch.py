@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import ray
 from ray.actor import ActorHandle
 
-from raycoll import errors, formation, session
+from raycoll import coalesce, errors, formation, session
 from raycoll._shipping import ship
 from raycoll.backends import backend_config
 from raycoll.coordinator import CoordinatorClient, spare
@@ -109,6 +109,11 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     defaults are listed there). An unknown name or a bad value raises ``ValueError`` naming
     the option before anything starts.
 
+    Calls that overlap (from threads of this process) over the same actors, with the same
+    backend, timeout and options, form together (:mod:`raycoll.coalesce`): the first at once,
+    the ones that come while it forms in one batch after it, as :func:`raycoll.create_groups`
+    forms them (their coordinators in one process); each call returns or raises its own result.
+
     A name is taken only within the Ray session it was formed in: after ``ray.shutdown()``
     and ``ray.init()`` it can be formed again at once. Actors of an ended session (or with
     Ray not initialized) raise :class:`~raycoll.errors.RaySessionError`; a dead actor
@@ -124,13 +129,26 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     if not DRIVER_GROUPS.add(group_name, placeholder, now):
         raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
                          "first or pick another group_name")
+    def together(names: Sequence[str]) -> List[_DriverGroup]:
+        return form_groups(actors, names, backend, seconds, group_options, now,
+                           f"create_group() of {list(names)!r}, calls formed together")
+
+    def alone(name: str) -> _DriverGroup:
+        return form_groups(actors, [name], backend, seconds, group_options, now,
+                           f"create_group({name!r})")[0]
+
+    # overlapping calls of the same key form together (raycoll/coalesce.py)
+    key: Any = (now, tuple(a._actor_id for a in actors), backend, seconds, group_options)
     try:
-        formed = form_groups(actors, [group_name], backend, seconds, group_options, now,
-                             f"create_group({group_name!r})")
+        hash(key)
+    except TypeError:  # options that cannot be compared: this call forms on its own
+        key = object()
+    try:
+        formed = coalesce.form(key, group_name, together, alone)
     except BaseException:
         DRIVER_GROUPS.pop(group_name, now)
         raise
-    DRIVER_GROUPS.replace(group_name, formed[0], now)
+    DRIVER_GROUPS.replace(group_name, formed, now)
     spare.refill(now)  # the next group's coordinator, started while this one is used
 
 

@@ -1,0 +1,132 @@
+"""``create_group`` calls that overlap over the same actors form together
+(:mod:`raycoll.coalesce`): the first at once, alone; those that came while it formed, as one
+batch on one coordinator process; a batch that fails leaves each call its own result."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import ray
+
+import raycoll
+from raycoll import coalesce, errors, session
+from raycoll.coordinator.hosting import Hosted
+from raycoll.launch import DRIVER_GROUPS, RankWorker
+
+from helpers import wait_for
+
+
+def _sum(rank: int, name: str) -> float:
+    x = np.full(2, rank + 1.0)
+    raycoll.all_reduce(x, group=name)
+    return float(x[0])
+
+
+def _hold(rank: int, path: str) -> None:
+    """Keep this (sync) actor busy until ``path`` exists (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _by_name(rank: int, name: str) -> None:
+    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
+
+
+def _leave(rank: int, name: str) -> None:
+    raycoll.destroy_process_group(name)
+
+
+@pytest.fixture()
+def team(ray_local):
+    actors = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _overlapping(team: List[Any], names: List[str], tmp_path: Any) -> Dict[str, Any]:
+    """``create_group`` of ``names[0]`` while ``team[0]`` is busy (its formation in flight),
+    then of the others from threads of their own, queued behind it; the actor is let go once
+    they wait. Returns each name's result: None, or the exception its call raised."""
+    release = str(tmp_path / f"release-{uuid.uuid4().hex[:6]}")
+    busy = team[0].run.remote(_hold, 0, (release,), {})
+    out: Dict[str, Any] = {}
+
+    def form(name: str) -> None:
+        try:
+            raycoll.create_group(team, group_name=name, timeout=60)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - the call's own error, checked by the test
+            out[name] = exc
+
+    threads = [threading.Thread(target=form, args=(n,)) for n in names]
+    threads[0].start()
+    wait_for(lambda: len(coalesce._QUEUES) == 1, what="the first formation in flight")
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: sum(len(q.waiting) for q in coalesce._QUEUES.values()) == len(names) - 1,
+             what="the other calls queued behind it")
+    open(release, "w").close()
+    for thread in threads:
+        thread.join(timeout=90)
+    ray.get(busy, timeout=30)
+    assert not coalesce._QUEUES, "every key freed once its calls returned"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_calls_that_come_while_one_forms_form_as_one_batch(team, tmp_path):
+    names = [f"co{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    got = _overlapping(team, names, tmp_path)
+    try:
+        assert got == {n: None for n in names}, got
+        coordinators = [DRIVER_GROUPS.get(n, session.current()).spec.coordinator for n in names]
+        assert not isinstance(coordinators[0], Hosted), "the first formed at once, alone"
+        assert all(isinstance(c, Hosted) for c in coordinators[1:]), coordinators
+        assert len({c.host._actor_id for c in coordinators[1:]}) == 1, "one batch, one process"
+        assert sorted(c.index for c in coordinators[1:]) == [1, 2, 3]
+        for name in names:  # each a group of its own
+            got_sums = ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(team)],
+                               timeout=60)
+            assert got_sums == [3.0, 3.0], (name, got_sums)
+        raycoll.destroy_group(names[1])  # one of the batch destroyed: the others go on
+        assert ray.get([a.run.remote(_sum, r, (names[2],), {}) for r, a in enumerate(team)],
+                       timeout=60) == [3.0, 3.0]
+    finally:
+        for name in names:
+            try:
+                raycoll.destroy_group(name)
+            except errors.GroupNotFoundError:
+                pass
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_local):
+    """A name of the batch was taken in the job (formed by name in other actors): the batch
+    fails, its calls form alone, and only that name's call raises."""
+    names = [f"cf{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    taken = names[2]
+    others = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
+    try:
+        ray.get([a.run.remote(_by_name, r, (taken,), {}) for r, a in enumerate(others)],
+                timeout=60)
+        got = _overlapping(team, names, tmp_path)
+        assert isinstance(got[taken], ValueError) and taken in str(got[taken]), got
+        assert DRIVER_GROUPS.get(taken, session.current()) is None
+        for name in names[:2] + names[3:]:
+            assert got[name] is None, (name, got)
+            assert ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(team)],
+                           timeout=60) == [3.0, 3.0]
+            raycoll.destroy_group(name)
+    finally:
+        ray.get([a.run.remote(_leave, r, (taken,), {}) for r, a in enumerate(others)],
+                timeout=60)
+        for actor in others:
+            ray.kill(actor, no_restart=True)
