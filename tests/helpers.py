@@ -345,3 +345,18 @@ def group_sums(actors: Sequence[Any], name: str) -> Any:
     return ray.get([a.run.remote(_rank_sum, r, (name,), {}) for r, a in enumerate(actors)],
                    timeout=60)
 
+
+
+@contextlib.contextmanager
+def rank_actors(count: int) -> Iterator[Any]:
+    """``count`` zero-CPU sync ``RankWorker`` actors (one method at a time), killed after."""
+    import ray
+
+    from raycoll.launch import RankWorker
+
+    actors = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(count)]
+    try:
+        yield actors
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)

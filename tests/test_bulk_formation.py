@@ -18,6 +18,8 @@ from raycoll.coordinator import spare
 from raycoll.coordinator.hosting import Hosted
 from raycoll.launch import DRIVER_GROUPS, RankWorker, _abort
 
+from helpers import rank_actors
+
 
 def _sum(rank: int, name: str, scale: float) -> float:
     x = np.full(3, (rank + 1.0) * scale)
@@ -49,10 +51,8 @@ def _groups(actors: List[Any], count: int) -> Iterator[List[str]]:
 @pytest.fixture()
 def team(ray_local):
     """Three zero-CPU sync actors (one method at a time: one join call each takes them all)."""
-    actors = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(3)]
-    yield actors
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
+    with rank_actors(3) as actors:
+        yield actors
 
 
 @pytest.mark.timeout(120)

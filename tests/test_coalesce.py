@@ -10,22 +10,15 @@ import time
 import uuid
 from typing import Any, Dict, List
 
-import numpy as np
 import pytest
 import ray
 
 import raycoll
 from raycoll import coalesce, errors, session
 from raycoll.coordinator.hosting import Hosted
-from raycoll.launch import DRIVER_GROUPS, RankWorker
+from raycoll.launch import DRIVER_GROUPS
 
-from helpers import wait_for
-
-
-def _sum(rank: int, name: str) -> float:
-    x = np.full(2, rank + 1.0)
-    raycoll.all_reduce(x, group=name)
-    return float(x[0])
+from helpers import group_sums, rank_actors, wait_for
 
 
 def _hold(rank: int, path: str) -> None:
@@ -45,10 +38,8 @@ def _leave(rank: int, name: str) -> None:
 
 @pytest.fixture()
 def team(ray_local):
-    actors = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
-    yield actors
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
+    with rank_actors(2) as actors:
+        yield actors
 
 
 def _overlapping(team: List[Any], names: List[str], tmp_path: Any) -> Dict[str, Any]:
@@ -93,12 +84,9 @@ def test_calls_that_come_while_one_forms_form_as_one_batch(team, tmp_path):
         assert len({c.host._actor_id for c in coordinators[1:]}) == 1, "one batch, one process"
         assert sorted(c.index for c in coordinators[1:]) == [1, 2, 3]
         for name in names:  # each a group of its own
-            got_sums = ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(team)],
-                               timeout=60)
-            assert got_sums == [3.0, 3.0], (name, got_sums)
+            assert group_sums(team, name) == [3.0, 3.0], name
         raycoll.destroy_group(names[1])  # one of the batch destroyed: the others go on
-        assert ray.get([a.run.remote(_sum, r, (names[2],), {}) for r, a in enumerate(team)],
-                       timeout=60) == [3.0, 3.0]
+        assert group_sums(team, names[2]) == [3.0, 3.0]
     finally:
         for name in names:
             try:
@@ -113,8 +101,7 @@ def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_
     fails, its calls form alone, and only that name's call raises."""
     names = [f"cf{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
     taken = names[2]
-    others = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
-    try:
+    with rank_actors(2) as others:
         ray.get([a.run.remote(_by_name, r, (taken,), {}) for r, a in enumerate(others)],
                 timeout=60)
         got = _overlapping(team, names, tmp_path)
@@ -122,11 +109,7 @@ def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_
         assert DRIVER_GROUPS.get(taken, session.current()) is None
         for name in names[:2] + names[3:]:
             assert got[name] is None, (name, got)
-            assert ray.get([a.run.remote(_sum, r, (name,), {}) for r, a in enumerate(team)],
-                           timeout=60) == [3.0, 3.0]
+            assert group_sums(team, name) == [3.0, 3.0]
             raycoll.destroy_group(name)
-    finally:
         ray.get([a.run.remote(_leave, r, (taken,), {}) for r, a in enumerate(others)],
                 timeout=60)
-        for actor in others:
-            ray.kill(actor, no_restart=True)
