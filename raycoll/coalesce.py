@@ -15,7 +15,9 @@ in its own thread), and gets its own result, exactly as without coalescing. Only
 call of the batch as it is.
 
 The queue of each key, and the hand-over of the lead, are this module's only state; a batch
-leader always hands over (``finally``), so no call waits on a batch that will not run.
+leader always hands over (``finally``), so no call waits on a batch that will not run. A
+``KeyboardInterrupt`` in a queued call withdraws it; once a batch took the call, the call
+sees the batch through (the others wait on it), undoes its own group, then raises.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from raycoll import errors
 __all__ = ["form"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     """One call waiting in a key's queue (``name``), woken (``turn``) with its result, its
     error, or the lead of the next batch (``batch``: the calls it forms, itself first)."""
@@ -55,11 +57,16 @@ _QUEUES: Dict[Hashable, _Queue] = {}  # a key is present while one of its batche
 
 
 def form(key: Hashable, name: str, form_batch: Callable[[Sequence[str]], List[Any]],
-         form_alone: Callable[[str], Any]) -> Any:
+         form_alone: Callable[[str], Any],
+         discard: Optional[Callable[[Any], None]] = None) -> Any:
     """Form ``name``: alone at once if nothing of ``key`` is forming, else in the next batch
     of ``key``. ``form_batch(names)`` forms several names together and returns their results
     in order (all or none); ``form_alone(name)`` forms one. Returns this call's result or
-    raises its error."""
+    raises its error.
+
+    An interrupt (``KeyboardInterrupt``) while the call waits in the queue withdraws it;
+    once a batch took it, the call sees the batch through (the others wait on it), then
+    ``discard(result)`` undoes what it formed and the interrupt is raised."""
     call = _Call(name)
     with _LOCK:
         queue = _QUEUES.get(key)
@@ -68,19 +75,37 @@ def form(key: Hashable, name: str, form_batch: Callable[[Sequence[str]], List[An
             call.batch = [call]
         else:
             queue.waiting.append(call)
-    if not call.batch:
-        call.turn.wait()  # a leader always sets it: with a result, or this call's lead
-        if call.done:
-            if call.error is not None:
-                raise call.error
-            return call.result
-    try:
-        _run(call.batch, form_batch, form_alone)
-    finally:
-        _hand_over(key)
+    interrupted = None if call.batch else _wait(key, call)
+    if not call.done:  # this call leads its batch
+        try:
+            _run(call.batch, form_batch, form_alone)
+        finally:
+            _hand_over(key)
+    if interrupted is not None:
+        if call.error is None and discard is not None:
+            discard(call.result)
+        raise interrupted
     if call.error is not None:
         raise call.error
     return call.result
+
+
+def _wait(key: Hashable, call: _Call) -> Optional[BaseException]:
+    """Wait until a leader wakes ``call``: with its result, or the lead of the next batch (a
+    leader always wakes the calls it took). Returns an interrupt that came after a batch
+    took the call; one that came while it was queued withdraws it and is raised."""
+    interrupted: Optional[BaseException] = None
+    while True:
+        try:
+            call.turn.wait()
+            return interrupted
+        except BaseException as exc:
+            with _LOCK:
+                queue = _QUEUES.get(key)
+                if queue is not None and any(c is call for c in queue.waiting):
+                    queue.waiting.remove(call)
+                    raise
+            interrupted = exc
 
 
 def _run(batch: List[_Call], form_batch: Callable[[Sequence[str]], List[Any]],

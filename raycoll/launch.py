@@ -144,7 +144,8 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     except TypeError:  # options that cannot be compared: this call forms on its own
         key = object()
     try:
-        formed = coalesce.form(key, group_name, together, alone)
+        formed = coalesce.form(key, group_name, together, alone,
+                               discard=lambda entry: _tear_down(group_name, entry, now))
     except BaseException:
         DRIVER_GROUPS.pop(group_name, now)
         raise
@@ -280,6 +281,12 @@ def destroy_group(group_name: str = "default") -> None:
         raise errors.GroupNotFoundError(
             f"destroy_group: no group {group_name!r} was created from this process in this Ray "
             f"session; groups: {DRIVER_GROUPS.names(now)}")
+    _tear_down(group_name, entry, now)
+
+
+def _tear_down(group_name: str, entry: _DriverGroup, now: Optional[session.SessionKey]) -> None:
+    """Destroy a formed group that is no longer in :data:`DRIVER_GROUPS`: its ranks leave
+    it, its name is freed, its coordinator recycled (or ended, or its host told)."""
     refs = []
     for actor in entry.actors:
         try:

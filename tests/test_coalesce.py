@@ -5,6 +5,7 @@ batch on one coordinator process; a batch that fails leaves each call its own re
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -113,3 +114,96 @@ def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_
             raycoll.destroy_group(name)
         ray.get([a.run.remote(_leave, r, (taken,), {}) for r, a in enumerate(others)],
                 timeout=60)
+
+
+class _Former:
+    """Plain-Python formations for :func:`coalesce.form` (no Ray: the queue's own logic):
+    each formation takes a ticket (``let_one``; at most 30 s), then records what it formed."""
+
+    def __init__(self) -> None:
+        self.tickets = threading.Semaphore(0)
+        self.entered = 0  # formations started
+        self.formed: List[List[str]] = []
+        self.discarded: List[str] = []
+
+    def let_one(self) -> None:
+        self.tickets.release()
+
+    def batch(self, names: Any) -> List[str]:
+        self.entered += 1
+        assert self.tickets.acquire(timeout=30)
+        self.formed.append(list(names))
+        return [f"group {n}" for n in names]
+
+    def alone(self, name: str) -> str:
+        return self.batch([name])[0]
+
+    def form(self, key: Any, name: str, out: Dict[str, Any]) -> None:
+        try:
+            out[name] = coalesce.form(key, name, self.batch, self.alone, self.discarded.append)
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            out[name] = exc
+
+
+def _interrupt_main_thread() -> None:
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def _queued(key: Any) -> int:
+    queue = coalesce._QUEUES.get(key)
+    return len(queue.waiting) if queue else 0
+
+
+def _in_thread(fn: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_queued_withdraws_the_call():
+    former, key, out = _Former(), ("test", uuid.uuid4().hex), {}
+    lead = _in_thread(lambda: former.form(key, "a", out))
+    wait_for(lambda: former.entered == 1, what="a forming")
+
+    def interrupt() -> None:
+        wait_for(lambda: _queued(key) == 1, what="b queued")
+        time.sleep(0.1)  # the main thread is in its wait by now
+        _interrupt_main_thread()
+
+    helper = _in_thread(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        coalesce.form(key, "b", former.batch, former.alone, former.discarded.append)
+    helper.join(30)
+    assert _queued(key) == 0, "withdrawn"
+    former.let_one()
+    lead.join(30)
+    assert out == {"a": "group a"} and former.formed == [["a"]] and former.discarded == []
+    assert key not in coalesce._QUEUES
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_after_a_batch_took_the_call_sees_it_through_then_undoes_it():
+    former, key, out = _Former(), ("test", uuid.uuid4().hex), {}
+    lead = _in_thread(lambda: former.form(key, "a", out))
+    wait_for(lambda: former.entered == 1, what="a forming")
+    second = _in_thread(lambda: former.form(key, "b", out))
+    wait_for(lambda: _queued(key) == 1, what="b queued")
+
+    def interrupt_while_the_batch_forms() -> None:
+        wait_for(lambda: _queued(key) == 2, what="c queued")
+        former.let_one()  # a forms; b leads the batch [b, c]
+        wait_for(lambda: former.entered == 2, what="the batch [b, c] forming")
+        _interrupt_main_thread()
+        time.sleep(0.2)
+        former.let_one()
+
+    helper = _in_thread(interrupt_while_the_batch_forms)
+    with pytest.raises(KeyboardInterrupt):
+        coalesce.form(key, "c", former.batch, former.alone, former.discarded.append)
+    for thread in (helper, lead, second):
+        thread.join(30)
+    assert out == {"a": "group a", "b": "group b"}, out
+    assert former.formed == [["a"], ["b", "c"]], former.formed
+    assert former.discarded == ["group c"], "what the interrupted call formed is undone"
+    assert key not in coalesce._QUEUES
