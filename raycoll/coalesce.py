@@ -17,7 +17,8 @@ call of the batch as it is.
 The queue of each key, and the hand-over of the lead, are this module's only state; a batch
 leader always hands over (``finally``), so no call waits on a batch that will not run. A
 ``KeyboardInterrupt`` in a queued call withdraws it; once a batch took the call, the call
-sees the batch through (the others wait on it), undoes its own group, then raises.
+sees the batch through (the others wait on it), undoes its own group, then raises; a batch
+whose leader is interrupted forms nothing, and its other calls form in the next batch.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def form(key: Hashable, name: str, form_batch: Callable[[Sequence[str]], List[An
             queue.waiting.append(call)
     interrupted = None if call.batch else _wait(key, call)
     if not call.done:  # this call leads its batch
+        again: List[_Call] = []
         try:
-            _run(call.batch, form_batch, form_alone)
+            again = _run(call.batch, form_batch, form_alone)
         finally:
-            _hand_over(key)
+            _hand_over(key, again)
     if interrupted is not None:
         if call.error is None and discard is not None:
             discard(call.result)
@@ -109,8 +111,10 @@ def _wait(key: Hashable, call: _Call) -> Optional[BaseException]:
 
 
 def _run(batch: List[_Call], form_batch: Callable[[Sequence[str]], List[Any]],
-         form_alone: Callable[[str], Any]) -> None:
-    """Form ``batch``; every call of it but the first (the caller) is woken, done."""
+         form_alone: Callable[[str], Any]) -> List[_Call]:
+    """Form ``batch``; every call of it but the first (the caller) is woken, done. Returns
+    the calls to form in the next batch: the others of a batch whose leader's thread was
+    interrupted (it formed nothing; they did nothing wrong)."""
     try:
         if len(batch) == 1:
             batch[0].result = form_alone(batch[0].name)
@@ -125,12 +129,13 @@ def _run(batch: List[_Call], form_batch: Callable[[Sequence[str]], List[Any]],
             batch[0].error = exc
         else:
             _each_alone(batch, form_alone)
-    except BaseException as exc:  # an interrupt of the leader's thread: no call forms
-        for call in batch:
-            call.error = exc
+    except BaseException as exc:  # an interrupt of the leader's thread: nothing formed
+        batch[0].error = exc
+        return batch[1:]
     for call in batch[1:]:
         call.done = True
         call.turn.set()
+    return []
 
 
 def _each_alone(batch: List[_Call], form_alone: Callable[[str], Any]) -> None:
@@ -150,14 +155,14 @@ def _each_alone(batch: List[_Call], form_alone: Callable[[str], Any]) -> None:
         thread.join()
 
 
-def _hand_over(key: Hashable) -> None:
-    """The batch of ``key`` formed: the calls that came meanwhile are the next batch, led by
-    the first of them; with none, the key is free."""
+def _hand_over(key: Hashable, again: Sequence[_Call] = ()) -> None:
+    """The batch of ``key`` formed: ``again`` and the calls that came meanwhile are the next
+    batch, led by the first of them; with none, the key is free."""
     with _LOCK:
         queue = _QUEUES[key]
-        if not queue.waiting:
+        if not again and not queue.waiting:
             del _QUEUES[key]
             return
-        batch, queue.waiting = queue.waiting, []
+        batch, queue.waiting = list(again) + queue.waiting, []
     batch[0].batch = batch
     batch[0].turn.set()

@@ -207,3 +207,26 @@ def test_an_interrupt_after_a_batch_took_the_call_sees_it_through_then_undoes_it
     assert former.formed == [["a"], ["b", "c"]], former.formed
     assert former.discarded == ["group c"], "what the interrupted call formed is undone"
     assert key not in coalesce._QUEUES
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_leader_forms_nothing_and_its_batch_forms_next():
+    former, key, out = _Former(), ("test", uuid.uuid4().hex), {}
+    queued: List[threading.Thread] = []
+
+    def queue_two_then_interrupt() -> None:
+        wait_for(lambda: former.entered == 1, what="a forming")
+        queued.extend(_in_thread(lambda n=n: former.form(key, n, out)) for n in "bc")
+        wait_for(lambda: _queued(key) == 2, what="b and c queued")
+        _interrupt_main_thread()  # a's leader is the main thread, in its formation
+        wait_for(lambda: former.entered == 2, what="the batch [b, c] forming")
+        former.let_one()
+
+    helper = _in_thread(queue_two_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        coalesce.form(key, "a", former.batch, former.alone, former.discarded.append)
+    for thread in [helper] + queued:
+        thread.join(30)
+    assert out == {"b": "group b", "c": "group c"}, out
+    assert former.formed == [["b", "c"]] and former.discarded == [], former.formed
+    assert key not in coalesce._QUEUES
