@@ -17,8 +17,8 @@ here into raycoll's, the original chained as the cause.
 from __future__ import annotations
 
 import logging
-import sys
 import os
+import sys
 import uuid
 import threading
 from dataclasses import dataclass, field
@@ -129,6 +129,7 @@ def create_group(actors: Sequence[ActorHandle], backend: Optional[str] = None,
     if not DRIVER_GROUPS.add(group_name, placeholder, now):
         raise ValueError(f"group {group_name!r} already exists; destroy_group({group_name!r}) "
                          "first or pick another group_name")
+
     def together(names: Sequence[str]) -> List[_DriverGroup]:
         return form_groups(actors, names, backend, seconds, group_options, now,
                            f"create_group() of {list(names)!r}, calls formed together")
@@ -320,10 +321,11 @@ class RankWorker:
     """The actor class :func:`spawn` starts for each rank (and :mod:`raycoll.testing` reuses)."""
 
     def run(self, fn: Callable[..., Any], rank: int, args: tuple, kwargs: dict) -> Any:
-        """``fn(rank, *args, **kwargs)``; a ``torch.distributed`` default group that ``fn``
-        initialized and left (it raised before ``destroy_process_group``) is destroyed after
-        it, as a process of ``torch.multiprocessing.spawn`` would take it with it, so that the
-        actor's next run can initialize torch again."""
+        """``fn(rank, *args, **kwargs)``. A ``torch.distributed`` default group that ``fn``
+        initialized and did not destroy (it raised first, or left it) is destroyed after it,
+        as a process of ``torch.multiprocessing.spawn`` would take it with it: the run's
+        raycoll group under it is destroyed after the run too, and the actor's next run can
+        initialize torch again."""
         torch_before = _torch_initialized()
         try:
             return fn(rank, *args, **kwargs)
