@@ -101,7 +101,8 @@ class RankPool:
         """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` pooled actors as one group.
 
         The group is fresh (a unique name, the default group inside the actors while ``fn``
-        runs) and destroyed afterwards, so runs do not see each other's groups. Returns the
+        runs) and destroyed afterwards, so runs do not see each other's groups (nor a torch
+        default group a run initialized and left: it is destroyed after the run). Returns the
         results in rank order; a rank's exception is raised as :class:`raycoll.SpawnError`
         naming the rank, with the original as its cause. ``timeout`` (seconds) bounds the
         group's collectives and the wait for the results.
