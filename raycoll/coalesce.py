@@ -36,25 +36,20 @@ __all__ = ["form"]
 @dataclass(eq=False)
 class _Call:
     """One call waiting in a key's queue (``name``), woken (``turn``) with its result, its
-    error, or the lead of the next batch (``batch``: the calls it forms, itself first)."""
+    error, or the lead of the next batch (``batch``: the calls it forms, itself first; empty
+    for a call another leads)."""
 
     name: str
     turn: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: Optional[BaseException] = None
-    done: bool = False
     batch: List["_Call"] = field(default_factory=list)
 
 
-@dataclass
-class _Queue:
-    """A key's calls that came while a batch of it formed, in arrival order."""
-
-    waiting: List[_Call] = field(default_factory=list)
-
-
 _LOCK = threading.Lock()
-_QUEUES: Dict[Hashable, _Queue] = {}  # a key is present while one of its batches forms
+#: Each key's calls that came while a batch of it formed, in arrival order; a key is present
+#: while one of its batches forms.
+_QUEUES: Dict[Hashable, List[_Call]] = {}
 
 
 def form(key: Hashable, name: str, form_batch: Callable[[Sequence[str]], List[Any]],
@@ -72,12 +67,12 @@ def form(key: Hashable, name: str, form_batch: Callable[[Sequence[str]], List[An
     with _LOCK:
         queue = _QUEUES.get(key)
         if queue is None:
-            _QUEUES[key] = _Queue()
+            _QUEUES[key] = []
             call.batch = [call]
         else:
-            queue.waiting.append(call)
+            queue.append(call)
     interrupted = None if call.batch else _wait(key, call)
-    if not call.done:  # this call leads its batch
+    if call.batch:  # this call leads its batch
         again: List[_Call] = []
         try:
             again = _run(call.batch, form_batch, form_alone)
@@ -104,8 +99,8 @@ def _wait(key: Hashable, call: _Call) -> Optional[BaseException]:
         except BaseException as exc:
             with _LOCK:
                 queue = _QUEUES.get(key)
-                if queue is not None and any(c is call for c in queue.waiting):
-                    queue.waiting.remove(call)
+                if queue is not None and any(c is call for c in queue):
+                    queue.remove(call)
                     raise
             interrupted = exc
 
@@ -133,7 +128,6 @@ def _run(batch: List[_Call], form_batch: Callable[[Sequence[str]], List[Any]],
         batch[0].error = exc
         return batch[1:]
     for call in batch[1:]:
-        call.done = True
         call.turn.set()
     return []
 
@@ -159,10 +153,10 @@ def _hand_over(key: Hashable, again: Sequence[_Call] = ()) -> None:
     """The batch of ``key`` formed: ``again`` and the calls that came meanwhile are the next
     batch, led by the first of them; with none, the key is free."""
     with _LOCK:
-        queue = _QUEUES[key]
-        if not again and not queue.waiting:
+        batch = list(again) + _QUEUES[key]
+        if not batch:
             del _QUEUES[key]
             return
-        batch, queue.waiting = list(again) + queue.waiting, []
+        _QUEUES[key] = []
     batch[0].batch = batch
     batch[0].turn.set()

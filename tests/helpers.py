@@ -360,3 +360,17 @@ def rank_actors(count: int) -> Iterator[Any]:
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def join_by_name(rank: int, name: str) -> None:
+    """In a rank: join group ``name`` of 2 ranks by name (``init_process_group``)."""
+    import raycoll
+
+    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
+
+
+def leave_by_name(rank: int, name: str) -> None:
+    """In a rank: destroy its group ``name``."""
+    import raycoll
+
+    raycoll.destroy_process_group(name)

@@ -19,7 +19,7 @@ from raycoll import coalesce, errors, session
 from raycoll.coordinator.hosting import Hosted
 from raycoll.launch import DRIVER_GROUPS
 
-from helpers import group_sums, rank_actors, wait_for
+from helpers import group_sums, join_by_name, leave_by_name, rank_actors, wait_for
 
 
 def _hold(rank: int, path: str) -> None:
@@ -27,14 +27,6 @@ def _hold(rank: int, path: str) -> None:
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _by_name(rank: int, name: str) -> None:
-    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
-
-
-def _leave(rank: int, name: str) -> None:
-    raycoll.destroy_process_group(name)
 
 
 @pytest.fixture()
@@ -63,7 +55,7 @@ def _overlapping(team: List[Any], names: List[str], tmp_path: Any) -> Dict[str, 
     wait_for(lambda: len(coalesce._QUEUES) == 1, what="the first formation in flight")
     for thread in threads[1:]:
         thread.start()
-    wait_for(lambda: sum(len(q.waiting) for q in coalesce._QUEUES.values()) == len(names) - 1,
+    wait_for(lambda: sum(len(q) for q in coalesce._QUEUES.values()) == len(names) - 1,
              what="the other calls queued behind it")
     open(release, "w").close()
     for thread in threads:
@@ -103,7 +95,7 @@ def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_
     names = [f"cf{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
     taken = names[2]
     with rank_actors(2) as others:
-        ray.get([a.run.remote(_by_name, r, (taken,), {}) for r, a in enumerate(others)],
+        ray.get([a.run.remote(join_by_name, r, (taken,), {}) for r, a in enumerate(others)],
                 timeout=60)
         got = _overlapping(team, names, tmp_path)
         assert isinstance(got[taken], ValueError) and taken in str(got[taken]), got
@@ -112,7 +104,7 @@ def test_a_batch_that_fails_leaves_each_call_its_own_result(team, tmp_path, ray_
             assert got[name] is None, (name, got)
             assert group_sums(team, name) == [3.0, 3.0]
             raycoll.destroy_group(name)
-        ray.get([a.run.remote(_leave, r, (taken,), {}) for r, a in enumerate(others)],
+        ray.get([a.run.remote(leave_by_name, r, (taken,), {}) for r, a in enumerate(others)],
                 timeout=60)
 
 
@@ -150,8 +142,7 @@ def _interrupt_main_thread() -> None:
 
 
 def _queued(key: Any) -> int:
-    queue = coalesce._QUEUES.get(key)
-    return len(queue.waiting) if queue else 0
+    return len(coalesce._QUEUES.get(key) or [])
 
 
 def _in_thread(fn: Any) -> threading.Thread:

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import raycoll
-from helpers import group_sums
+from helpers import group_sums, join_by_name, leave_by_name
 from raycoll import errors, formation, session
 from raycoll.launch import DRIVER_GROUPS, RankWorker
 
@@ -143,14 +143,6 @@ def test_the_driver_forgets_an_actor_s_kept_info_when_asked(rank_actors):
     assert key not in formation._INFOS
 
 
-def _join_by_name(rank: int, name: str) -> None:
-    raycoll.init_process_group(world_size=2, rank=rank, group_name=name, timeout=60)
-
-
-def _leave_by_name(rank: int, name: str) -> None:
-    raycoll.destroy_process_group(name)
-
-
 @pytest.mark.timeout(120)
 def test_a_name_its_ranks_formed_by_name_is_refused_and_their_group_kept(ray_local):
     """The driver records a group's name while the ranks install it: a name the same actors
@@ -160,7 +152,7 @@ def test_a_name_its_ranks_formed_by_name_is_refused_and_their_group_kept(ray_loc
     pair = [ray.remote(RankWorker).options(num_cpus=0).remote() for _ in range(2)]
     name = _name()
     try:
-        ray.get([a.run.remote(_join_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+        ray.get([a.run.remote(join_by_name, r, (name,), {}) for r, a in enumerate(pair)],
                 timeout=90)
         with pytest.raises(ValueError, match=f"group '{name}' already exists in this job"):
             raycoll.create_group(pair, group_name=name, timeout=60)
@@ -170,7 +162,7 @@ def test_a_name_its_ranks_formed_by_name_is_refused_and_their_group_kept(ray_loc
         raycoll.create_group(pair, group_name=other, timeout=60)
         assert group_sums(pair, other) == [3.0, 3.0]
         raycoll.destroy_group(other)
-        ray.get([a.run.remote(_leave_by_name, r, (name,), {}) for r, a in enumerate(pair)],
+        ray.get([a.run.remote(leave_by_name, r, (name,), {}) for r, a in enumerate(pair)],
                 timeout=60)
     finally:
         for actor in pair:
